@@ -1,0 +1,109 @@
+"""Pure-torch reference implementations of the paged KV kernels.
+
+These run the engine on CPU and are the ground truth the Triton kernels are
+tested against; every Triton kernel in this package has the same signature as
+its reference here.
+
+Cache layout (one tensor each for K and V, per layer):
+    [num_blocks, block_size, num_kv_heads, head_dim]
+A token at position p of a sequence lives in block ``block_table[p // block_size]``
+at row ``p % block_size``; its flat slot is ``block * block_size + row``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write K/V rows [T, kv_heads, head_dim] into their slots; slot -1 skips the row."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached rows of one sequence: [length, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    rows = cache[block_table[:num_blocks].long()]
+    return rows.reshape(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence over its whole cached context.
+
+    query [B, heads, head_dim]; block_tables [B, max_blocks] (int32, padded with
+    any valid block id); context_lens [B] (int32, >= 1, the current token included).
+    Returns [B, heads, head_dim].
+    """
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(context_lens.max())
+    max_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :max_blocks].long()
+    keys = k_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
+    values = v_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
+    positions = torch.arange(max_len, device=query.device)
+    mask = (positions[None, :] < context_lens[:, None].to(query.device))[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :], keys.transpose(1, 2).to(query.dtype), values.transpose(1, 2).to(query.dtype),
+        attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
+    return out[:, :, 0, :]
+
+
+def prefix_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                             context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """New tokens of many sequences (varlen) attend causally to their cached prefix and themselves.
+
+    query [T, heads, head_dim] holds the new tokens of sequence b at rows
+    query_start_loc[b]:query_start_loc[b+1]; their K/V are already stored in the
+    cache. context_lens[b] is the sequence length after these tokens, so its new
+    tokens sit at positions context_lens[b] - q_len .. context_lens[b] - 1.
+    Returns [T, heads, head_dim].
+    """
+    out = torch.empty_like(query)
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    starts = query_start_loc.tolist()
+    lengths = context_lens.tolist()
+    for b, total in enumerate(lengths):
+        q = query[starts[b]:starts[b + 1]]
+        q_len = q.shape[0]
+        if q_len == 0:
+            continue
+        keys = _gather_context(k_cache, block_tables[b], total).to(query.dtype)
+        values = _gather_context(v_cache, block_tables[b], total).to(query.dtype)
+        q_pos = torch.arange(total - q_len, total, device=query.device)
+        mask = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=mask[None, None], scale=scale, enable_gqa=num_heads != num_kv_heads)
+        out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1)
+    return out
+
+
+def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                block_mapping: torch.Tensor) -> None:
+    """Copy-on-write: for each row (src, dst) of block_mapping [N, 2], copy block src to dst in every layer."""
+    if block_mapping.numel() == 0:
+        return
+    src = block_mapping[:, 0].long().to(k_caches[0].device)
+    dst = block_mapping[:, 1].long().to(k_caches[0].device)
+    for cache in (*k_caches, *v_caches):
+        cache[dst] = cache[src]
+
+
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Move blocks between two caches (e.g. GPU and CPU): dst[m[:,1]] = src[m[:,0]]."""
+    if block_mapping.numel() == 0:
+        return
+    src = block_mapping[:, 0].long().to(src_cache.device)
+    dst = block_mapping[:, 1].long().to(dst_cache.device)
+    dst_cache[dst] = src_cache[src].to(dst_cache.device)

@@ -1,0 +1,1 @@
+"""pagedrag: paged KV attention and prefix caching for RAG pipelines."""

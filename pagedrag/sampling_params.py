@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -79,7 +79,6 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.beam_width < 1:

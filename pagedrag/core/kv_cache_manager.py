@@ -1,0 +1,176 @@
+"""Per-request block tables on top of the block pool: prefix lookup, on-demand
+allocation, copy-on-write forks, swap to CPU, and release.
+
+Invariants:
+- A request's block table covers at least its computed tokens; block j holds
+  positions [j * block_size, (j + 1) * block_size).
+- Only full, computed blocks are cached (hashed); the last prompt token is never
+  served from the cache, so there are always logits to sample.
+- Before a request writes into a block that other requests share (ref_count > 1),
+  the block is copied: the copy is queued in ``pending_copies`` as (src, dst) and
+  must run before the step's forward pass.
+- Once every request is freed, every block is free again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..request import Request
+from .block_pool import BlockPool, KVBlock
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups, counted in tokens, on each request's first scheduling."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class SwapPlan:
+    """Block moves for one step: (src, dst) pairs, device->CPU and CPU->device."""
+
+    out: list[tuple[int, int]] = field(default_factory=list)
+    into: list[tuple[int, int]] = field(default_factory=list)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_cpu_blocks: int = 0):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.cpu_free: list[int] = list(range(num_cpu_blocks))
+        self.tables: dict[str, list[KVBlock]] = {}
+        self.cpu_tables: dict[str, list[int]] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        self.swaps = SwapPlan()
+        self.prefix_stats = PrefixCacheStats()
+
+    # ---- lookup -----------------------------------------------------------
+    def computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest cached run of the request's full blocks, leaving its last token to compute."""
+        if not self.enable_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for index, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            start = index * self.block_size
+            block = self.pool.lookup(block_hash, request.token_ids[start:start + self.block_size])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def cached_prefix_len(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
+        """How many leading tokens of token_ids are in cached blocks (no side effects)."""
+        length = 0
+        for index, block_hash in enumerate(block_hashes):
+            start = index * self.block_size
+            if self.pool.lookup(block_hash, token_ids[start:start + self.block_size]) is None:
+                break
+            length = start + self.block_size
+        return length
+
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        self.prefix_stats.queries += request.num_tokens
+        self.prefix_stats.hits += num_hit_tokens
+
+    # ---- allocation ---------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of the request.
+
+        new_computed_blocks (a prefix hit, first scheduling only) are taken into
+        its table. Returns False, changing nothing, when the pool is short.
+        """
+        table = self.tables.setdefault(request.request_id, [])
+        hits = new_computed_blocks or []
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        total = num_computed + num_new_tokens
+        num_needed = -(-total // self.block_size) - len(table) - len(hits)
+        shared = self._shared_block_to_write(table, num_computed)
+        evictable_hits = sum(1 for block in hits if block.ref_count == 0)
+        if num_needed + int(shared is not None) + evictable_hits > self.pool.num_free:
+            return False
+        self.pool.touch(hits)
+        table.extend(hits)
+        if shared is not None:
+            self._copy_on_write(table, shared)
+        table.extend(self.pool.allocate(max(num_needed, 0)))
+        return True
+
+    def _shared_block_to_write(self, table: list[KVBlock], num_computed: int) -> int | None:
+        """Index in the table of a shared block that the next write would land in."""
+        index = num_computed // self.block_size
+        if num_computed % self.block_size and index < len(table) and table[index].ref_count > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
+        source = table[index]
+        (copy,) = self.pool.allocate(1)
+        self.pending_copies.append((source.block_id, copy.block_id))
+        self.pool.free([source])
+        table[index] = copy
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.enable_caching:
+            return
+        table = self.tables.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        for index in range(num_full):
+            start = index * self.block_size
+            self.pool.cache(table[index], request.block_hashes[index],
+                            request.token_ids[start:start + self.block_size])
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (copy-on-write on first write)."""
+        blocks = list(self.tables[parent.request_id])
+        self.pool.touch(blocks)
+        self.tables[child.request_id] = blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (device and swap space)."""
+        table = self.tables.pop(request.request_id, [])
+        self.pool.free(list(reversed(table)))
+        self.cpu_free.extend(self.cpu_tables.pop(request.request_id, []))
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [block.block_id for block in self.tables.get(request.request_id, [])]
+
+    # ---- swap -----------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self.tables.get(request.request_id, [])) <= len(self.cpu_free)
+
+    def swap_out(self, request: Request) -> None:
+        """Queue the request's blocks for a copy to CPU memory and free them on the device."""
+        table = self.tables.pop(request.request_id, [])
+        cpu_ids = [self.cpu_free.pop() for _ in table]
+        self.swaps.out.extend((block.block_id, cpu) for block, cpu in zip(table, cpu_ids))
+        self.cpu_tables[request.request_id] = cpu_ids
+        self.pool.free(list(reversed(table)))
+
+    def can_swap_in(self, request: Request) -> bool:
+        return len(self.cpu_tables[request.request_id]) <= self.pool.num_free
+
+    def swap_in(self, request: Request) -> None:
+        """Queue the request's CPU blocks for a copy back into fresh device blocks."""
+        cpu_ids = self.cpu_tables.pop(request.request_id)
+        table = self.pool.allocate(len(cpu_ids))
+        self.swaps.into.extend((cpu, block.block_id) for cpu, block in zip(cpu_ids, table))
+        self.tables[request.request_id] = table
+        self.cpu_free.extend(cpu_ids)
+
+    def take_step_transfers(self) -> tuple[list[tuple[int, int]], SwapPlan]:
+        """Hand over (and clear) this step's copy-on-write copies and swaps."""
+        copies, swaps = self.pending_copies, self.swaps
+        self.pending_copies, self.swaps = [], SwapPlan()
+        return copies, swaps

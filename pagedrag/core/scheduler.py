@@ -1,0 +1,173 @@
+"""Continuous batching: which requests run this step, and with how many tokens.
+
+Each step the scheduler
+1. gives every running request its next tokens (one for a decode, a chunk for a
+   prefill in progress), oldest first, within the token budget; when the pool
+   is short it preempts the newest running request (recompute: free its blocks,
+   keeping their hashes; swap: move them to CPU memory);
+2. if nothing was preempted, brings swapped requests back, then admits waiting
+   requests in arrival order (FCFS: a request that does not fit blocks those
+   behind it, so none starves) while seats (max_num_seqs) and budget remain.
+A prompt longer than the remaining budget is split over steps (chunked prefill).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..request import Request, RequestStatus
+from .kv_cache_manager import KVCacheManager, SwapPlan
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when, after this step, every token of the request has KV (so it samples)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swaps: SwapPlan = field(default_factory=SwapPlan)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True, preemption_mode: str = "recompute"):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
+        self.waiting: deque[Request] = deque()
+        self.swapped: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """A forked sibling joins the running set right after its parent."""
+        self.running.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request wherever it is and release its blocks at once."""
+        request.status = status
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        self.kv.free(request)
+        request.metrics.finished_time = time.monotonic()
+
+    # ---- one step -----------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+            self._schedule_waiting(out, budget)
+        out.block_copies, out.swaps = self.kv.take_step_transfers()
+        return out
+
+    def _chunk(self, request: Request, budget: int, num_computed: int | None = None) -> int:
+        """How many of the request's uncomputed tokens fit the budget (0: none)."""
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        wanted = request.num_tokens - num_computed
+        if wanted <= budget:
+            return wanted
+        return budget if self.enable_chunked_prefill else 0
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._chunk(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
+                index += 1
+        return budget
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.num_preemptions += 1
+        out.preempted.append(request)
+        if self.preemption_mode == "swap" and self.kv.can_swap_out(request):
+            self.kv.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(request)
+            return
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            num_new = self._chunk(request, budget)
+            if num_new == 0 or not self.kv.can_swap_in(request):
+                break
+            self.kv.swap_in(request)
+            if not self.kv.allocate_slots(request, num_new):
+                # Back out: the request stays swapped (its blocks now on the device).
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                self.swapped.popleft()
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+                break
+            self.swapped.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            first_time = request.num_cached_tokens < 0
+            hits = self.kv.computed_blocks(request)
+            num_hit_tokens = len(hits) * self.kv.block_size
+            num_new = self._chunk(request, budget, num_hit_tokens)
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new, hits):
+                break
+            request.num_computed_tokens = num_hit_tokens
+            if first_time:
+                request.num_cached_tokens = num_hit_tokens
+                self.kv.record_prefix_query(request, num_hit_tokens)
+                request.metrics.first_scheduled_time = time.monotonic()
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+

@@ -1,0 +1,285 @@
+"""LLMEngine: requests in, one scheduler step + one model step per ``step()``, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .config import DEFAULT_CPU_KV_FRACTION, GIB_BYTES, EngineArgs
+from .core.kv_cache_manager import KVCacheManager
+from .core.scheduler import Scheduler, SchedulerOutput
+from .metrics import EngineMetrics
+from .models.loader import load_model
+from .output_processor import (RequestGroup, StopPolicy, mark_first_token, new_sequence_text,
+                               update_text)
+from .outputs import RequestOutput
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
+from .worker.kv_cache import CacheShape, KVCacheTensors, available_cpu_memory, log_pool
+from .worker.model_runner import ModelRunner
+from .worker.sampler import Sampler, SamplingBatch
+
+logger = logging.getLogger("pagedrag")
+
+PromptType = str | Sequence[int] | Mapping
+
+
+class LLMEngine:
+    """The synchronous engine. Not thread-safe: one thread calls add/abort/step."""
+
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.device = args.resolved_device()
+        self.dtype = args.resolved_dtype(self.device)
+        torch.manual_seed(args.seed)
+        loaded = load_model(args.model, dtype=self.dtype, device=self.device,
+                            load_format=args.load_format, max_model_len=args.max_model_len)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.hf_config = loaded.hf_config
+        self.max_model_len = loaded.max_model_len
+        self.eos_token_ids = set(loaded.eos_token_ids)
+        self.vocab_size = loaded.hf_config.vocab_size
+        self.shape = CacheShape(loaded.module.num_layers, args.block_size, loaded.module.num_kv_heads,
+                                loaded.module.head_dim, self.dtype)
+        self.num_blocks = self._plan_num_blocks()
+        num_cpu_blocks = self.shape.blocks_in(args.swap_space * GIB_BYTES) if args.preemption_mode == "swap" else 0
+        self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs,
+                                   args.resolved_max_num_batched_tokens(self.max_model_len),
+                                   args.enable_chunked_prefill, args.preemption_mode)
+        from . import kernels
+        cache = KVCacheTensors(self.shape, self.num_blocks, num_cpu_blocks, self.device,
+                               kernels.ops_for(self.device))
+        self.runner = ModelRunner(loaded.module, cache, args.block_size, self.device)
+        self.sampler = Sampler()
+        self.stop_policy = StopPolicy(self.eos_token_ids, self.max_model_len)
+        self.groups: dict[str, RequestGroup] = {}
+        self.metrics = EngineMetrics(self.model_name)
+        self._request_counter = itertools.count()
+        self._reported_queries = self._reported_hits = 0
+        log_pool(self.device, self.shape, self.num_blocks, self.max_model_len)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    # ---- sizing -------------------------------------------------------------
+    def _plan_num_blocks(self) -> int:
+        args = self.args
+        if args.num_gpu_blocks_override is not None:
+            num_blocks = args.num_gpu_blocks_override
+        elif args.kv_cache_memory_bytes is not None:
+            num_blocks = self.shape.blocks_in(args.kv_cache_memory_bytes)
+        elif self.device.type == "cuda":
+            free_after_weights, _ = torch.cuda.mem_get_info(self.device)
+            num_blocks = self.shape.blocks_in(free_after_weights * args.gpu_memory_utilization)
+        else:
+            num_blocks = self.shape.blocks_in(available_cpu_memory() * DEFAULT_CPU_KV_FRACTION)
+        needed = -(-self.max_model_len // args.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV pool holds {num_blocks} blocks of {args.block_size} tokens "
+                f"({num_blocks * args.block_size} tokens), fewer than one sequence of "
+                f"max_model_len={self.max_model_len} needs ({needed} blocks): give the pool more "
+                "memory (gpu_memory_utilization / kv_cache_memory_bytes / num_gpu_blocks_override) "
+                "or lower max_model_len")
+        return num_blocks
+
+    # ---- requests -----------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache_salt) of a prompt given as text, token ids or a prompt dict."""
+        salt = None
+        if isinstance(prompt, Mapping):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt keys {sorted(unknown)}; use prompt, prompt_token_ids, cache_salt")
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+            if "prompt_token_ids" in prompt:
+                text, ids, _ = self.tokenize_prompt(list(prompt["prompt_token_ids"]))
+                return prompt.get("prompt", text), ids, salt
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True), salt
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt), salt
+        raise ValueError(f"a prompt must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must hold at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "it must be shorter to leave room for at least one generated token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> str:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids, dict_salt = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        request = Request(request_id, token_ids, params, self.args.block_size,
+                          cache_salt if cache_salt is not None else dict_salt,
+                          prompt=text, generator=self._generator(params, 0))
+        request.pending_forks = params.n - 1
+        group = RequestGroup(request_id, text, token_ids, params.n, [request])
+        group.texts[request.request_id] = new_sequence_text(self.tokenizer, request)
+        self.groups[request_id] = group
+        self.scheduler.add(request)
+        self.metrics.prompt_tokens.inc(len(token_ids))
+        return request_id
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """A per-sequence RNG: completion i of a seeded request uses seed + i."""
+        if params.seed is None:
+            return None
+        return torch.Generator(self.device).manual_seed(params.seed + index)
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request now (any of its sequences, wherever they are) and free its blocks."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def cached_prefix_len(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading prompt tokens are in the prefix cache now (no side effects)."""
+        probe = Request("probe", list(prompt_token_ids), SamplingParams(), self.args.block_size, cache_salt)
+        return self.kv.cached_prefix_len(probe.token_ids, probe.block_hashes)
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.pool.reset_prefix_cache()
+
+    # ---- the step -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return the outputs of requests that moved."""
+        step = self.scheduler.schedule()
+        tables = [self.kv.block_ids(item.request) for item in step.scheduled]
+        logits = self.runner.execute(step, tables)
+        sampling = self._advance_computed(step)
+        touched = self._sample(logits, sampling) if sampling else set()
+        for item in step.scheduled:
+            self.kv.cache_blocks(item.request)
+        self._observe(step)
+        return [self._output(group_id) for group_id in touched]
+
+    def _advance_computed(self, step: SchedulerOutput) -> list[tuple[Request, int]]:
+        """Count the step's tokens as computed; returns (sequence, logits row) of those that sample,
+        forking n > 1 siblings off a prompt that has just been computed."""
+        sampling, row = [], 0
+        for item in step.scheduled:
+            request = item.request
+            completes = item.completes_sequence
+            request.num_computed_tokens += item.num_new_tokens
+            if not completes:
+                continue
+            sampling.append((request, row))
+            for sibling in self._fork_siblings(request):
+                sampling.append((sibling, row))
+            row += 1
+        return sampling
+
+    def _fork_siblings(self, parent: Request) -> list[Request]:
+        siblings = []
+        group = self.groups[parent.group_id]
+        for index in range(parent.params.n - parent.pending_forks, parent.params.n):
+            child = parent.fork(f"{parent.group_id}#{index}", index, self._generator(parent.params, index))
+            self.kv.fork(parent, child)
+            self.scheduler.add_running(child)
+            group.sequences.append(child)
+            group.texts[child.request_id] = new_sequence_text(self.tokenizer, child)
+            siblings.append(child)
+        parent.pending_forks = 0
+        return siblings
+
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[Request, int]]) -> set[str]:
+        sequences = [seq for seq, _ in sampling]
+        rows = torch.tensor([row for _, row in sampling], device=logits.device)
+        batch = SamplingBatch.from_requests(sequences, logits.device)
+        result = self.sampler(logits[rows], batch)
+        sampled = result.to_host()
+        for index, seq in enumerate(sequences):
+            seq.append_token(sampled.token_ids[index])
+            sampled.record_logprobs(index, seq)
+            self._after_token(seq)
+        return {seq.group_id for seq in sequences}
+
+    def _after_token(self, seq: Request) -> None:
+        ttft = mark_first_token(seq)
+        if ttft is not None:
+            self.metrics.ttft.observe(ttft)
+        else:
+            now = time.monotonic()
+            self.metrics.itl.observe(now - seq.metrics.last_token_time)
+        seq.metrics.last_token_time = time.monotonic()
+        self.metrics.generation_tokens.inc()
+        group = self.groups[seq.group_id]
+        status = self.stop_policy.check_token(seq)
+        text_status = update_text(group.texts[seq.request_id], seq)
+        status = text_status or status
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            if group.finished:
+                self.metrics.request_success.inc()
+
+    def _output(self, group_id: str) -> RequestOutput:
+        group = self.groups[group_id]
+        output = group.to_output()
+        if output.finished:
+            del self.groups[group_id]
+        return output
+
+    def _observe(self, step: SchedulerOutput) -> None:
+        stats = self.kv.prefix_stats
+        m = self.metrics
+        m.kv_cache_usage.set(self.kv.pool.usage())
+        m.gpu_cache_usage.set(self.kv.pool.usage())
+        m.running.set(len(self.scheduler.running))
+        m.waiting.set(len(self.scheduler.waiting))
+        m.swapped.set(len(self.scheduler.swapped))
+        m.preemptions.inc(len(step.preempted))
+        m.prefix_queries.inc(stats.queries - self._reported_queries)
+        m.prefix_hits.inc(stats.hits - self._reported_hits)
+        self._reported_queries, self._reported_hits = stats.queries, stats.hits
+
+    def stats(self) -> dict:
+        """The engine's counters (prefix cache figures in tokens)."""
+        prefix = self.kv.prefix_stats
+        pool = self.kv.pool
+        return {
+            "prefix_cache_queries": prefix.queries,
+            "prefix_cache_hits": prefix.hits,
+            "prefix_cache_hit_rate": prefix.hit_rate,
+            "kv_cache_usage_perc": pool.usage(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_gpu_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free,
+            "num_cached_blocks": pool.num_cached(),
+            "num_evicted_blocks": pool.num_evictions,
+            "block_size": self.args.block_size,
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "num_requests_swapped": len(self.scheduler.swapped),
+            "max_model_len": self.max_model_len,
+            "device": str(self.device),
+        }

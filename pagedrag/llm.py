@@ -1,0 +1,131 @@
+"""LLM: the offline API, shaped as vLLM's (generate, chat, beam_search) plus stats()."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from .beam_search import BeamSearchOutput, run_beam_search
+from .config import EngineArgs
+from .engine import LLMEngine, PromptType
+from .outputs import RequestOutput
+from .sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger("pagedrag")
+
+Conversation = list[dict]
+
+
+class LLM:
+    """An in-process engine.
+
+    ``LLM()`` runs the embedded SmolLM2-135M-Instruct offline; every EngineArgs
+    field is a keyword argument (gpu_memory_utilization is the fraction of device
+    memory left after the weights that the KV pool may take).
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        unknown = set(engine_kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments {sorted(unknown)}; see pagedrag.EngineArgs")
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.llm_engine.stats()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts))
+        request_ids = self._add_all(prompts, params)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
+                            **kwargs) -> dict:
+        """A prompt dict (text and token ids) for one conversation."""
+        _check_conversation(conversation)
+        text = self.llm_engine.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        ids = self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        return run_beam_search(self, _as_prompt_list(prompts), params)
+
+    # ---- internals -----------------------------------------------------------
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        """Queue every prompt, or none: a bad one withdraws those queued before it."""
+        engine = self.llm_engine
+        added = []
+        try:
+            for prompt, p in zip(prompts, params):
+                added.append(engine.add_request(None, prompt, p))
+        except Exception:
+            for request_id in added:
+                engine.abort_request(request_id)
+            raise
+        return added
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while len(done) < len(request_ids):
+                for output in engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            for request_id in request_ids:
+                engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [done[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        raise ValueError("pass token ids as {'prompt_token_ids': [...]} (a bare list of ints is ambiguous)")
+    return prompts
+
+
+def _per_prompt(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params
+
+
+def _check_conversation(conversation: Conversation) -> None:
+    for message in conversation:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"each chat message needs 'role' and 'content', got {message!r}")
+        if not isinstance(message["content"], str):
+            raise ValueError(f"chat message content must be a string, got {type(message['content']).__name__}")

@@ -1,0 +1,100 @@
+"""After sampling: detokenize, check stop conditions, build RequestOutputs.
+
+A caller's request is a RequestGroup of n sequences (Request objects). The
+group is finished once each of its sequences is.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .detokenizer import IncrementalDetokenizer, StopChecker
+from .outputs import CompletionOutput, RequestOutput
+from .request import Request, RequestStatus
+
+
+@dataclass(eq=False)
+class SequenceText:
+    """The text side of one sequence: its detokenizer and stop-string checker."""
+
+    detokenizer: IncrementalDetokenizer
+    stops: StopChecker
+    text: str = ""
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    n: int
+    sequences: list[Request] = field(default_factory=list)
+    texts: dict[str, SequenceText] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.n and all(s.is_finished for s in self.sequences)
+
+    def to_output(self) -> RequestOutput:
+        first = self.sequences[0]
+        completions = [self._completion(seq) for seq in self.sequences]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
+                             self.finished, max(first.num_cached_tokens, 0), first.metrics)
+
+    def _completion(self, seq: Request) -> CompletionOutput:
+        finish = seq.status.value if seq.is_finished else None
+        return CompletionOutput(seq.index, self.texts[seq.request_id].text, list(seq.output_token_ids),
+                                seq.cumulative_logprob, seq.logprobs, finish, seq.stop_reason)
+
+
+class StopPolicy:
+    """Decides whether a sequence ends after its newest token."""
+
+    def __init__(self, eos_token_ids: set[int], max_model_len: int):
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def check_token(self, seq: Request) -> RequestStatus | None:
+        token = seq.token_ids[-1]
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+def new_sequence_text(tokenizer, seq: Request) -> SequenceText:
+    params = seq.params
+    return SequenceText(IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, params.skip_special_tokens),
+                        StopChecker(params.stop, params.include_stop_str_in_output))
+
+
+def update_text(text: SequenceText, seq: Request) -> RequestStatus | None:
+    """Detokenize the newest token; a stop string ends the sequence and trims the text."""
+    new_text = text.detokenizer.append([seq.token_ids[-1]])
+    full = text.text + new_text
+    if seq.num_output_tokens < seq.params.min_tokens:
+        text.text = full
+        return None
+    stop = text.stops.check(full, len(new_text))
+    if stop is None:
+        text.text = full
+        return None
+    text.text, seq.stop_reason = stop
+    return RequestStatus.FINISHED_STOPPED
+
+
+def mark_first_token(seq: Request) -> float | None:
+    """Record the first-token time; returns the TTFT when this was the first token."""
+    if seq.metrics.first_token_time is not None:
+        return None
+    seq.metrics.first_token_time = time.monotonic()
+    return seq.metrics.ttft

@@ -1,0 +1,103 @@
+"""A request's tokens, how many of them have KV in the cache, its block hashes and state.
+
+One Request is one sequence. A prompt sampled with n > 1 becomes n Requests
+after its prefill: the first keeps the prompt's blocks, the others fork them
+(copy-on-write); ``group_id`` and ``index`` tie them back to the caller's request.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .core.block_hash import BlockHash, extend_block_hashes
+from .outputs import RequestMetrics
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    """Invariant: 0 <= num_computed_tokens <= len(token_ids); the KV of
+    token_ids[:num_computed_tokens] is in this request's blocks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_size: int
+    cache_salt: str | None = None
+    group_id: str = ""
+    index: int = 0
+    prompt: str | None = None
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit on first schedule; -1 until scheduled
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        self.update_block_hashes()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        extend_block_hashes(self.block_hashes, self.token_ids, self.block_size, self.cache_salt)
+
+    def fork(self, request_id: str, index: int, generator: torch.Generator | None) -> "Request":
+        """A sibling with the same tokens and computed count (the caller shares the blocks)."""
+        child = Request(request_id, self.prompt_token_ids, self.params, self.block_size,
+                        self.cache_salt, self.group_id, index, self.prompt, generator)
+        child.token_ids = list(self.token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        child.metrics = RequestMetrics(self.metrics.arrival_time, self.metrics.first_scheduled_time)
+        return child

@@ -1,0 +1,91 @@
+"""The KV cache tensors: one K and one V tensor per layer on the device, the
+same shapes in CPU swap space, and the sizing of both from memory budgets."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from ..config import GIB_BYTES
+from ..core.kv_cache_manager import SwapPlan
+
+logger = logging.getLogger("pagedrag")
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block across every layer."""
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def blocks_in(self, num_bytes: float) -> int:
+        return int(num_bytes // self.bytes_per_block)
+
+
+def _allocate_layers(shape: CacheShape, num_blocks: int, device: torch.device,
+                     pin: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    return [(torch.empty(dims, dtype=shape.dtype, device=device, pin_memory=pin),
+             torch.empty(dims, dtype=shape.dtype, device=device, pin_memory=pin))
+            for _ in range(shape.num_layers)]
+
+
+class KVCacheTensors:
+    """The paged cache on the device plus the CPU swap space."""
+
+    def __init__(self, shape: CacheShape, num_blocks: int, num_cpu_blocks: int,
+                 device: torch.device, ops: ModuleType):
+        self.shape = shape
+        self.ops = ops
+        self.device_layers = _allocate_layers(shape, num_blocks, device)
+        pin = device.type == "cuda"
+        self.cpu_layers = _allocate_layers(shape, num_cpu_blocks, torch.device("cpu"), pin)
+
+    def apply(self, copies: list[tuple[int, int]], swaps: SwapPlan) -> None:
+        """Run a step's block moves: swap-outs, then swap-ins, then copy-on-write copies."""
+        self._swap(swaps.out, self.device_layers, self.cpu_layers)
+        self._swap(swaps.into, self.cpu_layers, self.device_layers)
+        if copies:
+            mapping = torch.tensor(copies, dtype=torch.int64)
+            self.ops.copy_blocks([k for k, _ in self.device_layers],
+                                 [v for _, v in self.device_layers], mapping)
+
+    def _swap(self, pairs, sources, destinations) -> None:
+        if not pairs:
+            return
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        for (src_k, src_v), (dst_k, dst_v) in zip(sources, destinations):
+            self.ops.swap_blocks(src_k, dst_k, mapping)
+            self.ops.swap_blocks(src_v, dst_v, mapping)
+
+
+def available_cpu_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes); falls back to total physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def log_pool(device: torch.device, shape: CacheShape, num_blocks: int, max_model_len: int) -> None:
+    name = "num_gpu_blocks" if device.type == "cuda" else "num_cpu_blocks"
+    per_seq = -(-max_model_len // shape.block_size)
+    logger.info("%s=%d (block_size=%d, %.3f GiB KV pool); %d sequences of max_model_len=%d fit",
+                name, num_blocks, shape.block_size, num_blocks * shape.bytes_per_block / GIB_BYTES,
+                num_blocks // per_seq, max_model_len)

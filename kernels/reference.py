@@ -51,10 +51,14 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     keys = k_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
     values = v_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
     positions = torch.arange(max_len, device=query.device)
-    mask = (positions[None, :] < context_lens[:, None].to(query.device))[:, None, None, :]
+    valid = positions[None, :] < context_lens[:, None].to(query.device)  # [B, max_len]
+    # Rows past a sequence's length hold whatever the pool had there (maybe NaN):
+    # zero them, as a masked score or weight cannot cancel a NaN.
+    keys = keys.masked_fill(~valid[:, :, None, None], 0)
+    values = values.masked_fill(~valid[:, :, None, None], 0)
     out = F.scaled_dot_product_attention(
         query[:, :, None, :], keys.transpose(1, 2).to(query.dtype), values.transpose(1, 2).to(query.dtype),
-        attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads)
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads)
     return out[:, :, 0, :]
 
 

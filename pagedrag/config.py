@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -46,6 +47,8 @@ class EngineArgs:
     enforce_eager: bool = False  # True: no CUDA graphs
 
     def __post_init__(self) -> None:
+        if self.model is not None:
+            self.model = os.fspath(self.model)
         self._validate()
 
     def _validate(self) -> None:

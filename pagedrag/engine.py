@@ -15,7 +15,7 @@ from .core.scheduler import Scheduler, SchedulerOutput
 from .metrics import EngineMetrics
 from .models.loader import load_model
 from .output_processor import (RequestGroup, StopPolicy, mark_first_token, new_sequence_text,
-                               update_text)
+                               record_logprobs, update_text)
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
@@ -177,9 +177,9 @@ class LLMEngine:
         tables = [self.kv.block_ids(item.request) for item in step.scheduled]
         logits = self.runner.execute(step, tables)
         sampling = self._advance_computed(step)
-        touched = self._sample(logits, sampling) if sampling else set()
         for item in step.scheduled:
             self.kv.cache_blocks(item.request)
+        touched = self._sample(logits, sampling) if sampling else set()
         self._observe(step)
         return [self._output(group_id) for group_id in touched]
 
@@ -215,32 +215,36 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[Request, int]]) -> set[str]:
         sequences = [seq for seq, _ in sampling]
         rows = torch.tensor([row for _, row in sampling], device=logits.device)
-        batch = SamplingBatch.from_requests(sequences, logits.device)
-        result = self.sampler(logits[rows], batch)
-        sampled = result.to_host()
-        for index, seq in enumerate(sequences):
-            seq.append_token(sampled.token_ids[index])
-            sampled.record_logprobs(index, seq)
+        batch = SamplingBatch.from_params(
+            [seq.params for seq in sequences], [seq.generator for seq in sequences],
+            [seq.prompt_token_ids for seq in sequences], [seq.output_token_ids for seq in sequences],
+            logits.device, self.tokenizer.eos_token_id if self.tokenizer is not None else None)
+        samples = self.sampler(logits[rows], batch).to_host()
+        for seq, sample in zip(sequences, samples):
+            seq.append_token(sample.token_id)
+            record_logprobs(seq, sample)
             self._after_token(seq)
         return {seq.group_id for seq in sequences}
 
     def _after_token(self, seq: Request) -> None:
-        ttft = mark_first_token(seq)
-        if ttft is not None:
-            self.metrics.ttft.observe(ttft)
-        else:
-            now = time.monotonic()
-            self.metrics.itl.observe(now - seq.metrics.last_token_time)
-        seq.metrics.last_token_time = time.monotonic()
-        self.metrics.generation_tokens.inc()
+        self._observe_latency(seq)
         group = self.groups[seq.group_id]
         status = self.stop_policy.check_token(seq)
-        text_status = update_text(group.texts[seq.request_id], seq)
-        status = text_status or status
+        status = update_text(group.texts[seq.request_id], seq, finishing=status is not None) or status
         if status is not None:
             self.scheduler.finish(seq, status)
             if group.finished:
                 self.metrics.request_success.inc()
+
+    def _observe_latency(self, seq: Request) -> None:
+        previous = seq.metrics.last_token_time
+        ttft = mark_first_token(seq)
+        if ttft is not None:
+            self.metrics.ttft.observe(ttft)
+        seq.metrics.last_token_time = time.monotonic()
+        if previous is not None:
+            self.metrics.itl.observe(seq.metrics.last_token_time - previous)
+        self.metrics.generation_tokens.inc()
 
     def _output(self, group_id: str) -> RequestOutput:
         group = self.groups[group_id]

@@ -77,19 +77,30 @@ def new_sequence_text(tokenizer, seq: Request) -> SequenceText:
                         StopChecker(params.stop, params.include_stop_str_in_output))
 
 
-def update_text(text: SequenceText, seq: Request) -> RequestStatus | None:
-    """Detokenize the newest token; a stop string ends the sequence and trims the text."""
+def update_text(text: SequenceText, seq: Request, finishing: bool) -> RequestStatus | None:
+    """Detokenize the newest token; a stop string ends the sequence and trims the text.
+
+    While the sequence runs, ``text.text`` never shows the start of a possible stop
+    string; once it finishes, it holds everything (minus a matched stop string).
+    """
     new_text = text.detokenizer.append([seq.token_ids[-1]])
-    full = text.text + new_text
-    if seq.num_output_tokens < seq.params.min_tokens:
-        text.text = full
-        return None
-    stop = text.stops.check(full, len(new_text))
-    if stop is None:
-        text.text = full
-        return None
-    text.text, seq.stop_reason = stop
-    return RequestStatus.FINISHED_STOPPED
+    if finishing:
+        new_text += text.detokenizer.flush()
+    full = text.detokenizer.text
+    if seq.num_output_tokens >= seq.params.min_tokens:
+        match = text.stops.check(full, len(new_text))
+        if match is not None:
+            text.text, seq.stop_reason = match.text, match.stop
+            return RequestStatus.FINISHED_STOPPED
+    text.text = full if finishing else full[:text.stops.streamable_length(full)]
+    return None
+
+
+def record_logprobs(seq: Request, sample) -> None:
+    """Add the sampled token's logprob to the running sum, and the top-k when asked for."""
+    seq.cumulative_logprob += sample.logprob
+    if seq.logprobs is not None:
+        seq.logprobs.append({**sample.top_logprobs, sample.token_id: sample.logprob})
 
 
 def mark_first_token(seq: Request) -> float | None:

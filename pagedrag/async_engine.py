@@ -1,0 +1,291 @@
+"""AsyncLLMEngine: one background thread steps an LLMEngine; asyncio callers stream from it.
+
+The synchronous engine is not thread-safe, so it lives on a single thread of its own.
+Everything another thread wants from it (add a request, abort one, read its stats) is
+handed over as a command through a FIFO queue; the engine thread runs the queued
+commands between two steps, and sleeps on the queue while it has nothing to step.
+Outputs travel back through one mailbox per request, posted to the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from .config import EngineArgs
+from .engine import LLMEngine, PromptType
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedrag")
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed while this request was in flight; the request was aborted."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot take requests any more (shut down, or broken by a failed step)."""
+
+
+class _Mailbox:
+    """The outputs of one request, from the engine thread to the caller's event loop.
+
+    Outputs are cumulative, so an unread output is superseded by a newer one (latest
+    wins: a slow reader never makes memory grow). An error is final: it supersedes
+    any unread output and nothing replaces it.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def post(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe; a mailbox whose event loop has closed drops the item."""
+        try:
+            self._loop.call_soon_threadsafe(self._put, item)
+        except RuntimeError:
+            pass
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        if not isinstance(self._item, BaseException):
+            self._item = item
+            self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        """The newest output; raises the request's error if it failed."""
+        await self._ready.wait()
+        item = self._item
+        if isinstance(item, BaseException):
+            raise item
+        self._item = None
+        self._ready.clear()
+        return item
+
+
+class RequestStream:
+    """The outputs of one request as an async iterator; it ends after the finished output.
+
+    Closing it before then, or cancelling a task waiting on it, aborts the request
+    (even if it was never iterated).
+    """
+
+    def __init__(self, owner: "AsyncLLMEngine", request_id: str, mailbox: _Mailbox):
+        self.request_id = request_id
+        self._owner = owner
+        self._mailbox = mailbox
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            output = await self._mailbox.get()
+        except asyncio.CancelledError:
+            await self.aclose()
+            raise
+        except BaseException:
+            self._done = True
+            raise
+        self._done = output.finished
+        return output
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._owner._abort_later(self.request_id, self._mailbox)
+
+
+class AsyncLLMEngine:
+    """An LLMEngine behind one thread, for many concurrent asyncio callers.
+
+    Invariants:
+    - Only the engine thread touches ``engine`` and ``_mailboxes``; other threads reach
+      them through ``_commands``, which the engine thread runs in order between steps.
+    - A request counts in ``num_in_flight`` from ``generate()`` until it leaves the
+      engine (finished, aborted, failed, or rejected by validation): exactly one
+      ``_leave`` per ``generate``.
+    - Every request in ``_mailboxes`` is unfinished in the engine; its mailbox ends
+      with a finished output or an exception, never with silence.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._mailboxes: dict[str, _Mailbox] = {}
+        self._lock = threading.Lock()  # guards _num_in_flight and _closed
+        self._num_in_flight = 0
+        self._closed = False
+        self._dead_reason: str | None = None  # set on the engine thread only
+        self._thread = threading.Thread(target=self._run, name="pagedrag-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
+        return cls(LLMEngine(args))
+
+    # ---- the caller's side (any thread, or the event loop) -----------------------
+    @property
+    def num_in_flight(self) -> int:
+        """Requests queued, waiting or running (each generate() call counts once)."""
+        return self._num_in_flight
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine takes no more requests, or None while it is healthy."""
+        return self._dead_reason
+
+    def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                 request_id: str | None = None, cache_salt: str | None = None,
+                 ) -> "RequestStream":
+        """Queue a request now and return its outputs (cumulative) as an async iterator.
+
+        Call from a running event loop. The iterator raises what went wrong: ValueError /
+        TypeError for bad input (nothing was queued), EngineStepError, EngineDeadError.
+        Cancelling it, or closing it (``aclose()``) before the finished output, aborts the
+        request; a stream that is merely dropped runs to its end in the engine.
+        """
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        mailbox = _Mailbox(asyncio.get_running_loop())
+        with self._lock:
+            self._num_in_flight += 1
+        try:
+            self._enqueue(lambda: self._add(request_id, prompt, params, cache_salt, mailbox))
+        except EngineDeadError as error:
+            self._leave()
+            mailbox.post(error)
+        return RequestStream(self, request_id, mailbox)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the engine thread between steps (e.g. ``engine.stats``)."""
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Like call(), from any thread: a future of ``fn(*args)`` run on the engine thread."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as error:  # handed to the caller, never to the loop
+                    future.set_exception(error)
+
+        self._enqueue(command)
+        return future
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Fail whatever is in flight with EngineDeadError and stop the engine thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._commands.put(self._stop)
+        self._thread.join(timeout)
+
+    def _enqueue(self, command: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError("the engine has shut down")
+            self._commands.put(command)
+
+    def _abort_later(self, request_id: str, mailbox: _Mailbox) -> None:
+        """Queue an abort (after a shutdown there is nothing left to abort)."""
+        try:
+            self._enqueue(lambda: self._abort(request_id, mailbox))
+        except EngineDeadError:
+            pass
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._num_in_flight -= 1
+
+    # ---- the engine thread -------------------------------------------------------
+    def _run(self) -> None:
+        """Run commands; step while the engine has work; sleep on the queue otherwise."""
+        running = True
+        while running:
+            running = self._run_commands(wait=not self._has_work())
+            if running and self._has_work():
+                self._step()
+        self._fail_in_flight(EngineDeadError("the engine has shut down"))
+
+    def _has_work(self) -> bool:
+        return self._dead_reason is None and self.engine.has_unfinished_requests()
+
+    def _run_commands(self, wait: bool) -> bool:
+        """Run the queued commands (waiting for one if ``wait``); False once told to stop."""
+        try:
+            command = self._commands.get(block=wait)
+        except queue.Empty:
+            return True
+        while command is not self._stop:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _stop(self) -> None:
+        """The marker command that ends the engine thread (never called)."""
+
+    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
+             cache_salt: str | None, mailbox: _Mailbox) -> None:
+        try:
+            if self._dead_reason is not None:
+                raise EngineDeadError(self._dead_reason)
+            self.engine.add_request(request_id, prompt, params, cache_salt)
+        except Exception as error:  # bad input: the caller gets it, the loop goes on
+            self._leave()
+            mailbox.post(error)
+            return
+        self._mailboxes[request_id] = mailbox
+
+    def _abort(self, request_id: str, mailbox: _Mailbox) -> None:
+        """Abort the request if this mailbox still owns it (it may have finished already)."""
+        if self._mailboxes.get(request_id) is mailbox:
+            del self._mailboxes[request_id]
+            self._leave()
+            self.engine.abort_request(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            logger.exception("engine step failed; failing the %d requests in flight", len(self._mailboxes))
+            self._fail_in_flight(EngineStepError(f"the engine step failed: {error!r}; the request was aborted"))
+            return
+        for output in outputs:
+            self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        mailbox = self._mailboxes.get(output.request_id)
+        if mailbox is None:
+            return
+        if output.finished:
+            del self._mailboxes[output.request_id]
+            self._leave()
+        mailbox.post(output)
+
+    def _fail_in_flight(self, error: Exception) -> None:
+        """Fail and abort every request in flight; an engine that cannot abort is dead."""
+        failed, self._mailboxes = self._mailboxes, {}
+        for request_id, mailbox in failed.items():
+            self._leave()
+            mailbox.post(error)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception as abort_error:
+                self._dead_reason = f"the engine could not recover from a failed step: {abort_error!r}"
+                logger.exception("aborting %s failed; the engine takes no more requests", request_id)

@@ -1,0 +1,33 @@
+"""`pagedrag serve | demo | bench | explain`: each subcommand lives in its own module,
+which offers add_arguments(parser) and run(args) -> exit code."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "serve": ("pagedrag.server.cli", "an OpenAI-compatible server with Prometheus /metrics"),
+    "demo": ("pagedrag.demo", "a small RAG example with prefix-cache readouts"),
+    "bench": ("pagedrag.bench", "a RAG-shaped throughput / TTFT benchmark"),
+    "explain": ("pagedrag.explain", "why two prompts do not share prefix-cache blocks"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="pagedrag", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        commands.add_parser(name, help=help_text, add_help=False)
+    known, _ = parser.parse_known_args(argv[:1])
+    module = importlib.import_module(SUBCOMMANDS[known.command][0])
+    sub = argparse.ArgumentParser(prog=f"pagedrag {known.command}",
+                                  description=SUBCOMMANDS[known.command][1])
+    module.add_arguments(sub)
+    return module.run(sub.parse_args(argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

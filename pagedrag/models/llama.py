@@ -1,0 +1,301 @@
+"""The Llama family of causal LMs, written for the paged KV cache.
+
+One module covers Llama 2/3/3.1, Mistral, Qwen2, Qwen3 and SmolLM2; they differ
+only in the switches collected by :class:`Variant` (projection biases, per-head
+q/k RMSNorm) and in config values (rope type, head_dim, tied embeddings).
+
+Invariants:
+- ``forward`` works on a flat batch of T tokens (sequences packed one after the
+  other, as :class:`AttentionMetadata` describes); there is no Python loop over
+  tokens or sequences and no host synchronisation (.item(), .tolist()), so it
+  can be captured in a CUDA graph.
+- Rotary frequencies are float32 and static: they are computed once, by
+  transformers' own ``ROPE_INIT_FUNCTIONS``, from the config. For the
+  "dynamic" and "longrope" types this is the state HF starts in (the original
+  context length); the per-length switching HF does at run time is left out
+  because a graph needs static frequencies.
+- ``sliding_window`` (Mistral, some Qwen2 configs) is ignored: every token
+  attends to its whole context. Results match HF while sequences stay within
+  the window; past it they differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from pagedrag.models.attention import AttentionMetadata, PagedAttention
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def architecture_of(config: PretrainedConfig) -> str:
+    """The supported architecture a config describes, or ValueError naming what was found.
+
+    Configs built in code often have no ``architectures``; their model_type decides.
+    """
+    names = list(getattr(config, "architectures", None) or [])
+    if not names and config.model_type in _ARCHITECTURE_OF_MODEL_TYPE:
+        names = [_ARCHITECTURE_OF_MODEL_TYPE[config.model_type]]
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    found = ", ".join(names) or f"model_type={config.model_type!r}"
+    raise ValueError(f"unsupported model architecture {found}; pagedrag supports "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The switches that tell the family members apart."""
+
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def of(cls, config: PretrainedConfig) -> Variant:
+        """Qwen2 always has q/k/v biases; Qwen3 normalizes q and k per head; the
+        others follow ``attention_bias`` / ``mlp_bias`` (absent means False)."""
+        arch = architecture_of(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        if arch == "Qwen2ForCausalLM":
+            return cls(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
+        if arch == "Qwen3ForCausalLM":
+            return cls(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
+        return cls(qkv_bias=bias, o_bias=bias,
+                   mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=False)
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """config.head_dim when the config sets it, else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, optionally fused with the residual add.
+
+    ``norm(x, residual)`` returns (normed(x + residual), x + residual): the sum is
+    the next residual. Numerics follow HF: add in the model dtype, normalize in
+    float32, cast back, then scale by the weight.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        return normed if residual is None else (normed, x)
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of one input stacked along the output dim (one GEMM).
+
+    Shard i owns output rows [sum(shard_sizes[:i]), sum(shard_sizes[:i+1])).
+    """
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = list(shard_sizes)
+
+    def shard(self, tensor_name: str, index: int) -> torch.Tensor:
+        """A view of shard ``index`` of the 'weight' or 'bias' tensor (for loading)."""
+        start = sum(self.shard_sizes[:index])
+        return getattr(self, tensor_name).narrow(0, start, self.shard_sizes[index])
+
+
+def rope_frequencies(config: PretrainedConfig,
+                     device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq float32 [head_dim / 2], attention_scaling) for the config's rope type.
+
+    Reads transformers 5's ``rope_parameters`` or the older ``rope_scaling``;
+    every scaled type comes from ``ROPE_INIT_FUNCTIONS``. Plain rope is computed
+    here only where transformers no longer registers a "default" function.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    elif rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = head_dim_of(config)
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+        scaling = 1.0
+    else:
+        raise ValueError(f"unsupported rope type {rope_type!r}")
+    if 2 * inv_freq.numel() != head_dim_of(config):
+        raise ValueError("partial rotary embeddings (rotary dim < head_dim) are not supported")
+    return inv_freq.to(device=device, dtype=torch.float32), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the positions of one step (neox layout: halves rotated).
+
+    ``inv_freq`` must stay float32: ``Module.to(dtype)`` rounds it and
+    ``Module.to_empty`` drops its values, so call ``reset_frequencies`` after either.
+    """
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.config = config
+        inv_freq, self.scaling = rope_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_frequencies(self) -> None:
+        """Recompute the float32 frequencies on the buffer's device."""
+        self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)[0]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, head_dim] in ``dtype``."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by the angles in cos/sin [T, 1, head_dim]."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    """qkv projection, optional per-head q/k norm, rope, paged attention, output projection."""
+
+    def __init__(self, config: PretrainedConfig, variant: Variant):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], variant.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=variant.o_bias)
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = variant.qk_norm
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q.flatten(1), k.flatten(1), v, kv_cache, meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), with gate and up as one merged GEMM."""
+
+    def __init__(self, config: PretrainedConfig, variant: Variant):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], variant.mlp_bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=variant.mlp_bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; carries the residual stream separately so norms fuse the add."""
+
+    def __init__(self, config: PretrainedConfig, variant: Variant):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, variant)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, variant)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata):
+        """Returns (this layer's output, residual); their sum is the layer's true output."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, config: PretrainedConfig, variant: Variant):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, variant) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """The engine-facing model: ``forward`` to hidden states, ``compute_logits`` to logits.
+
+    Parameter names match HF checkpoints except the merged projections
+    (``qkv_proj`` = q|k|v, ``gate_up_proj`` = gate|up) and, with tied embeddings,
+    the absent ``lm_head`` (logits then use ``model.embed_tokens.weight``).
+    """
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.model = LlamaModel(config, Variant.of(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden states [T, hidden]; stores this step's K/V."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()

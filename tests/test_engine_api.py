@@ -1,0 +1,160 @@
+"""The offline API's accounting and its answers to bad input."""
+
+import pytest
+
+from pagedrag import LLM, EngineArgs, SamplingParams
+from model_fixtures import make_tiny_model
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture()
+def llm(path):
+    return LLM(path, max_model_len=256, block_size=BLOCK)
+
+
+def ids(start: int, count: int) -> list[int]:
+    return [3 + (start + i) % 200 for i in range(count)]
+
+
+def gen(llm, prompt, salt=None, max_tokens=2):
+    item = {"prompt_token_ids": prompt, **({"cache_salt": salt} if salt else {})}
+    return llm.generate(item, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0]
+
+
+def test_same_prompt_twice_hits_all_full_blocks_but_the_last_token(llm):
+    prompt = ids(0, 40)
+    assert gen(llm, prompt).num_cached_tokens == 0
+    second = gen(llm, prompt)
+    assert second.num_cached_tokens == 32  # (40 - 1) // 16 full blocks
+    stats = llm.stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (80, 32)
+    assert stats["prefix_cache_hit_rate"] == pytest.approx(32 / 80)
+
+
+def test_shared_system_prompt_hits_its_full_blocks(llm):
+    system = ids(0, 20)
+    gen(llm, system + ids(100, 15))
+    out = gen(llm, system + ids(150, 30))
+    assert out.num_cached_tokens == 16
+
+
+def test_shared_prefix_shorter_than_a_block_gets_nothing(llm):
+    gen(llm, ids(0, 10) + ids(100, 30))
+    assert gen(llm, ids(0, 10) + ids(150, 30)).num_cached_tokens == 0
+
+
+def test_cache_salt_separates_tenants(llm):
+    prompt = ids(7, 50)
+    gen(llm, prompt, salt="tenant-a")
+    assert gen(llm, prompt, salt="tenant-b").num_cached_tokens == 0
+    assert gen(llm, prompt, salt="tenant-a").num_cached_tokens == 48
+    assert gen(llm, prompt).num_cached_tokens == 0  # unsalted is its own tenant
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    first = gen(llm, ids(0, 12), max_tokens=6).outputs[0]
+    assert first.finish_reason == "length" and len(first.token_ids) == 6
+    stop_at = first.token_ids[2]
+    out = llm.generate({"prompt_token_ids": ids(0, 12)},
+                       SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert out.token_ids == first.token_ids[:first.token_ids.index(stop_at) + 1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"n": 0}, "n must"),
+    ({"max_tokens": 0}, "max_tokens"),
+])
+def test_invalid_sampling_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_size": 12}, "power of two"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"preemption_mode": "drop"}, "preemption_mode"),
+])
+def test_invalid_engine_args(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)
+
+
+def test_bad_prompts_fail_before_work_and_others_keep_running(llm):
+    engine = llm.llm_engine
+    engine.add_request("good", {"prompt_token_ids": ids(0, 20)}, SamplingParams(temperature=0, max_tokens=4))
+    with pytest.raises(ValueError, match="max_model_len is 256"):
+        engine.add_request("long", {"prompt_token_ids": ids(0, 300)})
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", {"prompt_token_ids": []})
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request("oov", {"prompt_token_ids": [10**9]})
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", {"prompt_token_ids": ids(0, 5)})
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["good"]
+    assert len(finished[0].outputs[0].token_ids) == 4
+
+
+def test_generate_is_all_or_nothing_on_bad_input(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": ids(0, 8)}, {"prompt_token_ids": ids(0, 400)}], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
+
+
+def test_pool_too_small_for_one_sequence(path):
+    with pytest.raises(ValueError, match="fewer than one sequence of max_model_len=256"):
+        LLM(path, max_model_len=256, block_size=16, num_gpu_blocks_override=8)
+
+
+def test_unknown_model_and_unknown_argument(path):
+    with pytest.raises((ValueError, OSError), match="no-such-model"):
+        LLM("no-such-org/no-such-model")
+    with pytest.raises(TypeError, match="gpu_mem"):
+        LLM(path, gpu_mem=0.5)
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": ids(0, 60)}, SamplingParams(max_tokens=50))
+    engine.step()
+    assert llm.stats()["num_free_blocks"] < llm.stats()["num_gpu_blocks"]
+    engine.abort_request("a")
+    assert not engine.has_unfinished_requests()
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
+
+
+def test_beam_search_width_one_is_greedy_and_scores_are_true_logprobs(llm, path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedrag import BeamSearchParams
+    prompt = ids(3, 25)
+    greedy = gen(llm, prompt, max_tokens=6).outputs[0].token_ids
+    narrow = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=1, max_tokens=6))[0]
+    assert narrow.sequences[0].tokens[25:] == greedy
+    wide = llm.beam_search([{"prompt_token_ids": prompt}],
+                           BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))[0]
+    assert len({tuple(s.tokens) for s in wide.sequences}) == 4
+    scores = [s.cum_logprob for s in wide.sequences]
+    assert scores == sorted(scores, reverse=True)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    for seq in wide.sequences:
+        with torch.no_grad():
+            logits = model(torch.tensor([seq.tokens])).logits[0].log_softmax(-1)
+        true = sum(logits[p - 1, seq.tokens[p]].item() for p in range(25, len(seq.tokens)))
+        assert seq.cum_logprob == pytest.approx(true, abs=1e-3)
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]

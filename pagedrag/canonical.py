@@ -92,7 +92,11 @@ class Chunk:
         object.__setattr__(self, "text", normalize_text(self.text))
 
 
-def as_chunk(item: Chunk | str | Mapping[str, Any] | Sequence[Any]) -> Chunk:
+ChunkLike = Chunk | str | Mapping[str, Any] | Sequence[Any]
+"""What ``as_chunk`` accepts: a Chunk, a text, a dict of Chunk fields or a tuple of them."""
+
+
+def as_chunk(item: ChunkLike) -> Chunk:
     """A Chunk from a Chunk, a text, a dict of Chunk fields or a (text, source_id,
     position, score[, metadata]) tuple."""
     if isinstance(item, Chunk):
@@ -334,7 +338,7 @@ class PromptCanonicalizer:
         self._plain_head = _segment(self.system_prompt)
         self._head, self._tail = self._frame()
 
-    def build(self, query: str, chunks: Iterable[Chunk | str | Mapping | Sequence] = (),
+    def build(self, query: str, chunks: Iterable[ChunkLike] = (),
               volatile: Mapping[str, str] | None = None, cache_salt: str | None = None) -> CanonicalPrompt:
         """The canonical prompt for a query, its retrieved chunks and its volatile fields."""
         _require(query, str, "query")
@@ -347,8 +351,7 @@ class PromptCanonicalizer:
         return CanonicalPrompt(self._plain_head + content, self._messages(content),
                                kept, dropped, truncated, token_ids)
 
-    def order_chunks(self, chunks: Iterable[Chunk | str | Mapping | Sequence],
-                     cache_salt: str | None = None) -> list[Chunk]:
+    def order_chunks(self, chunks: Iterable[ChunkLike], cache_salt: str | None = None) -> list[Chunk]:
         """The chunks as Chunks, deduplicated, in this canonicalizer's order."""
         as_chunks = [chunk for _, chunk in _chunk_pairs(chunks, as_chunk)]
         return canonical_order(as_chunks, self.order,

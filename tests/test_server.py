@@ -1,0 +1,320 @@
+"""The OpenAI-compatible server end to end: the official openai client against a server
+on loopback (uvicorn in a thread), sharing one engine for the whole module."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedrag import EngineArgs
+from pagedrag.async_engine import AsyncLLMEngine
+from pagedrag.server.app import build_app
+from pagedrag.server.background import BackgroundServer
+from pagedrag.server.serving import ServerConfig
+
+MODEL = "smol"
+KEYS = ["key-one", "key-two"]
+# ~90 tokens shared by the cache tests: five full 16-token blocks
+LONG_PREFIX = ("You answer questions about the solar system using only the context below. "
+               "Context: The Sun holds 99.8 percent of the mass of the solar system. Mercury is the "
+               "closest planet to the Sun and has no moons. Venus rotates backwards and has the "
+               "hottest surface. Earth is the only planet known to have liquid water on its surface. "
+               "Mars has two small moons named Phobos and Deimos. Jupiter is the largest planet. ")
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(max_model_len=512, num_gpu_blocks_override=128, max_num_seqs=16, seed=0))
+    yield engine
+    engine.shutdown()
+
+
+def _serve(engine, **config):
+    return BackgroundServer(build_app(engine, ServerConfig(served_model_names=[MODEL], **config)))
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """The main server: API keys required, a salt per key."""
+    with _serve(engine, api_keys=KEYS, salt_by_api_key=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def open_server(engine):
+    """No keys, at most one request in flight."""
+    with _serve(engine, max_queue=1) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEYS[0], max_retries=0, timeout=120)
+
+
+def _stats(engine) -> dict:
+    return engine.submit(engine.engine.stats).result(timeout=60)
+
+
+def _wait_idle(engine, timeout: float = 60.0) -> dict:
+    """Wait until no request is in flight; returns the engine stats then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = _stats(engine)
+        if engine.num_in_flight == 0 and stats["num_free_blocks"] == stats["num_gpu_blocks"]:
+            return stats
+        time.sleep(0.05)
+    raise AssertionError(f"the engine did not become idle: {_stats(engine)}, in flight {engine.num_in_flight}")
+
+
+def _metrics(base_url: str) -> dict[str, float]:
+    """Every sample of /metrics by name, summed over labels."""
+    text = httpx.get(base_url + "/metrics").text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def _greedy(**extra) -> dict:
+    return {"model": MODEL, "temperature": 0, **extra}
+
+
+# ---- the happy paths --------------------------------------------------------------
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.base_url + "/health").status_code == 200  # open without a key
+
+
+def test_completion(client):
+    result = client.completions.create(prompt="The capital of France is", max_tokens=5, **_greedy())
+    choice = result.choices[0]
+    assert result.object == "text_completion" and choice.text and choice.finish_reason == "length"
+    assert result.usage.completion_tokens == 5
+    assert result.usage.total_tokens == result.usage.prompt_tokens + 5
+
+
+def test_chat(client):
+    result = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Say hello."}], max_completion_tokens=6, **_greedy())
+    message = result.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert result.usage.completion_tokens <= 6
+
+
+def test_streaming_completion_matches_whole(client):
+    whole = client.completions.create(prompt="Once upon a time", max_tokens=8, **_greedy())
+    chunks = list(client.completions.create(prompt="Once upon a time", max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}, **_greedy()))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_streaming_chat_matches_whole(client):
+    messages = [{"role": "user", "content": "Name a color."}]
+    whole = client.chat.completions.create(messages=messages, max_tokens=8, **_greedy())
+    chunks = list(client.chat.completions.create(messages=messages, max_tokens=8, stream=True,
+                                                 stream_options={"include_usage": True}, **_greedy()))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n_completions(client):
+    result = client.completions.create(prompt="My favourite fruit is", max_tokens=6, n=3,
+                                       temperature=1.0, seed=7, model=MODEL)
+    assert sorted(c.index for c in result.choices) == [0, 1, 2]
+    assert result.usage.completion_tokens == sum(
+        len(c.logprobs.tokens) if c.logprobs else 6 for c in result.choices) == 18
+    streamed = list(client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2, stream=True, model=MODEL))
+    finished = {c.choices[0].index for c in streamed if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+
+
+def test_stop_string(client):
+    free = client.completions.create(prompt="1, 2, 3, 4,", max_tokens=12, **_greedy()).choices[0].text
+    stop = free.strip().split()[1]  # a word the model writes after the first
+    for stream in (False, True):
+        result = client.completions.create(prompt="1, 2, 3, 4,", max_tokens=12, stop=[stop],
+                                           stream=stream, **_greedy())
+        choices = [c.choices[0] for c in result] if stream else result.choices
+        text = "".join(c.text for c in choices)
+        assert text == free[:free.index(stop)]
+        assert choices[-1].finish_reason == "stop"
+
+
+def test_logprobs(client):
+    result = client.completions.create(prompt="Hello", max_tokens=3, logprobs=2, **_greedy())
+    logprobs = result.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 3
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=2, **_greedy())
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_cached_tokens_and_metrics(server, client, engine):
+    """A second request with the same long prefix hits the cache; /metrics adds up."""
+    _wait_idle(engine)
+    before = _metrics(server.base_url)
+    results = [client.completions.create(prompt=LONG_PREFIX + question, max_tokens=4, **_greedy())
+               for question in ("Question: which planet is largest?", "Question: which has no moons?")]
+    first, second = (r.usage for r in results)
+    assert first.prompt_tokens > 80
+    assert second.prompt_tokens_details.cached_tokens >= 80
+    after = _metrics(server.base_url)
+
+    def grew(name):
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("pagedrag:prompt_tokens_total") == first.prompt_tokens + second.prompt_tokens
+    assert grew("pagedrag:generation_tokens_total") == first.completion_tokens + second.completion_tokens
+    assert grew("pagedrag:prefix_cache_queries_total") == first.prompt_tokens + second.prompt_tokens
+    assert grew("pagedrag:prefix_cache_hits_total") == (first.prompt_tokens_details.cached_tokens
+                                                        + second.prompt_tokens_details.cached_tokens)
+    assert grew("pagedrag:time_to_first_token_seconds_count") == 2
+    assert "pagedrag:gpu_cache_usage_perc" in after
+
+
+def test_tenants_do_not_share_cache(server, client):
+    """With --salt-by-api-key the other key's identical prompt starts cold."""
+    prompt = LONG_PREFIX + "Question: tenant isolation?"
+    client.completions.create(prompt=prompt, max_tokens=2, **_greedy())
+    warm = client.completions.create(prompt=prompt, max_tokens=2, **_greedy())
+    other = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEYS[1], max_retries=0)
+    cold = other.completions.create(prompt=prompt, max_tokens=2, **_greedy())
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+
+
+# ---- errors --------------------------------------------------------------------------
+def _post(base_url: str, path: str, body, key: str | None = KEYS[0]) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, bytes):
+        return httpx.post(base_url + path, content=body, headers={**headers, "Content-Type": "application/json"})
+    return httpx.post(base_url + path, json=body, headers=headers, timeout=60)
+
+
+def _assert_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "word " * 600}, None),  # over max_model_len
+    ({"prompt": "x", "temperature": -1}, None),
+    ({"prompt": "x", "top_p": 0}, None),
+    ({"prompt": "x", "n": "many"}, "n"),  # a pydantic validation error (FastAPI's 422)
+    ({"prompt": "x", "max_tokens": 0}, None),
+    ({"prompt": "x", "echo": True}, None),
+    ({"prompt": []}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": [10 ** 9]}, None),  # a token id outside the vocabulary
+])
+def test_bad_completion_is_400(server, body, param):
+    error = _assert_error(_post(server.base_url, "/v1/completions", body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": []},
+    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+    {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+])
+def test_bad_chat_is_400(server, body):
+    _assert_error(_post(server.base_url, "/v1/chat/completions", body), 400)
+
+
+def test_malformed_json_is_400(server):
+    error = _assert_error(_post(server.base_url, "/v1/completions", b'{"prompt": "x",'), 400)
+    assert "JSON" in error["message"]
+
+
+def test_unknown_model_is_404(server):
+    error = _assert_error(_post(server.base_url, "/v1/completions", {"prompt": "x", "model": "gpt-9"}), 404)
+    assert error["code"] == "model_not_found"
+
+
+def test_bad_input_never_stalls_the_engine(server, client):
+    for _ in range(3):
+        _post(server.base_url, "/v1/completions", {"prompt": "word " * 600, "stream": True})
+    assert client.completions.create(prompt="Still alive?", max_tokens=2, **_greedy()).choices[0].text
+
+
+def test_api_key_required(server):
+    body = {"prompt": "x", "max_tokens": 1}
+    assert _assert_error(_post(server.base_url, "/v1/completions", body, key=None), 401)["code"] == "invalid_api_key"
+    _assert_error(_post(server.base_url, "/v1/completions", body, key="wrong"), 401)
+    _assert_error(httpx.get(server.base_url + "/v1/models"), 401)
+    assert _post(server.base_url, "/v1/completions", body, key=KEYS[1]).status_code == 200
+
+
+def test_queue_full_is_503(open_server, engine):
+    """max_queue=1: while one request streams, the next is turned away; afterwards it is served."""
+    _wait_idle(engine)
+    body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", open_server.base_url + "/v1/completions", json=body, timeout=60) as response:
+        next(response.iter_lines())
+        error = _assert_error(_post(open_server.base_url, "/v1/completions", {"prompt": "x"}, key=None), 503)
+        assert error["code"] == "queue_full"
+    _wait_idle(engine)
+    assert _post(open_server.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 1}, key=None).status_code == 200
+
+
+def test_disconnect_mid_stream_frees_blocks(open_server, engine):
+    _wait_idle(engine)
+    body = {"prompt": "Tell me a long story:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", open_server.base_url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        events = [line for line in (next(lines) for _ in range(6)) if line.startswith("data: ")]
+        assert json.loads(events[0][6:])["choices"][0]["text"] is not None
+        stats = _stats(engine)
+        assert stats["num_free_blocks"] < stats["num_gpu_blocks"] and engine.num_in_flight == 1
+    stats = _wait_idle(engine)
+    assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+
+
+def test_disconnect_before_response_aborts(open_server, engine):
+    """A non-streamed request whose client gives up is aborted too."""
+    _wait_idle(engine)
+    body = {"prompt": "Another long story:", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(open_server.base_url + "/v1/completions", json=body, timeout=1.5)
+    _wait_idle(engine, timeout=30)
+
+
+def test_step_failure_fails_requests_in_flight(server, client, engine):
+    """An exception inside step() fails the request with a clear error; the engine goes on."""
+    real_step = engine.engine.step
+    failed = threading.Event()
+
+    def failing_step():
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("simulated kernel failure")
+        return real_step()
+
+    engine.engine.step = failing_step
+    try:
+        error = _assert_error(_post(server.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 2}), 500)
+        assert "simulated kernel failure" in error["message"]
+    finally:
+        engine.engine.step = real_step
+    _wait_idle(engine)
+    assert client.completions.create(prompt="Recovered?", max_tokens=2, **_greedy()).choices[0].text

@@ -42,11 +42,9 @@ QUERIES = [
 ]
 
 
-def build_messages(question: str, sources: list[str]) -> list[dict]:
-    """System prompt, then chunks in stable (source id) order, then the question."""
-    context = "".join(f"[{source}] {DOCUMENTS[source]}\n\n" for source in sorted(sources))
-    return [{"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"Context documents:\n\n{context}Question: {question}"}]
+def retrieved(sources: list[str]) -> list[dict]:
+    """What a retriever hands over: chunks in relevance order, with their source ids."""
+    return [{"text": DOCUMENTS[source], "source_id": source} for source in sources]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,19 +55,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from . import LLM, SamplingParams
+    from .canonical import PromptCanonicalizer
+    from .explain import explain
 
     llm = LLM(args.model, max_model_len=2048, enable_prefix_caching=not args.no_prefix_caching)
+    canonical = PromptCanonicalizer(SYSTEM_PROMPT, tokenizer=llm.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     print(f"{'#':>2} {'cached/prompt':>13} {'hit rate':>8} {'TTFT ms':>8}  question -> answer")
     for number, (question, sources) in enumerate(QUERIES, 1):
-        out = llm.chat(build_messages(question, sources), params, use_tqdm=False)[0]
-        stats = llm.stats()
+        prompt = canonical.build(question, retrieved(sources), volatile={"user": f"user-{number}"})
+        out = llm.generate({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}, params,
+                           use_tqdm=False)[0]
         answer = " ".join(out.outputs[0].text.split())
         print(f"{number:>2} {out.num_cached_tokens:>6}/{len(out.prompt_token_ids):<6} "
-              f"{stats['prefix_cache_hit_rate']:>8.1%} {out.metrics.ttft * 1000:>8.1f}  "
+              f"{llm.stats()['prefix_cache_hit_rate']:>8.1%} {out.metrics.ttft * 1000:>8.1f}  "
               f"{question} -> {answer[:90]}")
     stats = llm.stats()
     print(f"\nprefix cache: {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} prompt tokens "
           f"served from cache ({stats['prefix_cache_hit_rate']:.1%}); "
           f"{stats['num_gpu_blocks']} blocks of {stats['block_size']} tokens in the pool")
+    question, sources = QUERIES[0]
+    stamped = PromptCanonicalizer(f"Today is 2026-11-29 10:41:07. {SYSTEM_PROMPT}", tokenizer=llm.get_tokenizer())
+    print("\nwhy a prompt with a timestamp in its system prompt misses the cache:")
+    print(explain(stamped.build(question, retrieved(sources)).text,
+                  canonical.build(question, retrieved(sources)).text, llm.get_tokenizer()))
     return 0

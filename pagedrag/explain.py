@@ -22,6 +22,7 @@ from pagedrag.canonical import CachedPrefixSource, detect_volatile
 BLOCK_SIZE = 16
 _WINDOW = 20  # characters of context shown on each side of the divergence
 _SNIPPET = 32  # characters after the divergence looked for elsewhere (reordering)
+_MAX_INSERTION = 160  # longer insertions are chunks moved or added, not a volatile field
 _MIN_SNIPPET = 12  # shorter snippets say too little to call it a reordering
 _TIME_KINDS = {"timestamp", "date", "time"}
 
@@ -140,6 +141,14 @@ def _moved(text: str, other: str, offset: int) -> bool:
     return len(snippet) >= _MIN_SNIPPET and snippet in other
 
 
+def _inserted(text: str, other: str, offset: int) -> str:
+    """A short insertion (at most _MAX_INSERTION characters) that ``text`` has at
+    ``offset``, after which ``other``'s continuation resumes; "" if there is none."""
+    snippet = other[offset:offset + _SNIPPET]
+    resume = text.find(snippet, offset + 1) if len(snippet) >= _MIN_SNIPPET else -1
+    return text[offset:resume] if 0 < resume - offset <= _MAX_INSERTION else ""
+
+
 def _volatile_kind(text: str, offset: int) -> str | None:
     """The kind of volatile-looking content covering ``offset``, if any."""
     for kind, match in detect_volatile(text):
@@ -169,6 +178,10 @@ def classify(text_a: str, text_b: str, offset: int) -> str:
     if _squeeze(tail_a)[:_SNIPPET] == _squeeze(tail_b)[:_SNIPPET]:
         return "whitespace"
     if _moved(text_a, text_b, offset) or _moved(text_b, text_a, offset):
+        inserted = _inserted(text_a, text_b, offset) + " " + _inserted(text_b, text_a, offset)
+        kinds = [kind for kind, _ in detect_volatile(inserted)]
+        if kinds:
+            return "timestamp" if kinds[0] in _TIME_KINDS else "id"
         return "reordered"
     kind = _volatile_kind(text_a, offset) or _volatile_kind(text_b, offset)
     if kind is not None:

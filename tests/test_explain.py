@@ -164,3 +164,11 @@ def test_cli_errors(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert run(_args(*argv)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_inserted_timestamp_is_a_timestamp_not_a_reordering():
+    from pagedrag.explain import classify
+    base = "You are a helpful assistant. Answer from the documents below."
+    stamped = "Today is 2026-11-29 10:41:07. " + base
+    assert classify(stamped, base, 0) == "timestamp"
+    assert classify(base, stamped, 0) == "timestamp"

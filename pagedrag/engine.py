@@ -50,7 +50,7 @@ class LLMEngine:
         num_cpu_blocks = self.shape.blocks_in(args.swap_space * GIB_BYTES) if args.preemption_mode == "swap" else 0
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs,
-                                   args.resolved_max_num_batched_tokens(self.max_model_len),
+                                   args.resolved_max_num_batched_tokens(self.max_model_len, self.device),
                                    args.enable_chunked_prefill, args.preemption_mode)
         from . import kernels
         cache = KVCacheTensors(self.shape, self.num_blocks, num_cpu_blocks, self.device,
@@ -108,6 +108,8 @@ class LLMEngine:
                 return prompt.get("prompt", text), ids, salt
             prompt = prompt.get("prompt")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True), salt
         if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt), salt
@@ -133,6 +135,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
         text, token_ids, dict_salt = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
         request = Request(request_id, token_ids, params, self.args.block_size,

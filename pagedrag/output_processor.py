@@ -18,7 +18,7 @@ from .request import Request, RequestStatus
 class SequenceText:
     """The text side of one sequence: its detokenizer and stop-string checker."""
 
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: the model has no tokenizer (token ids only)
     stops: StopChecker
     text: str = ""
 
@@ -73,8 +73,9 @@ class StopPolicy:
 
 def new_sequence_text(tokenizer, seq: Request) -> SequenceText:
     params = seq.params
-    return SequenceText(IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, params.skip_special_tokens),
-                        StopChecker(params.stop, params.include_stop_str_in_output))
+    detokenizer = (IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
+                   if tokenizer is not None else None)
+    return SequenceText(detokenizer, StopChecker(params.stop, params.include_stop_str_in_output))
 
 
 def update_text(text: SequenceText, seq: Request, finishing: bool) -> RequestStatus | None:
@@ -83,6 +84,8 @@ def update_text(text: SequenceText, seq: Request, finishing: bool) -> RequestSta
     While the sequence runs, ``text.text`` never shows the start of a possible stop
     string; once it finishes, it holds everything (minus a matched stop string).
     """
+    if text.detokenizer is None:
+        return None
     new_text = text.detokenizer.append([seq.token_ids[-1]])
     if finishing:
         new_text += text.detokenizer.flush()

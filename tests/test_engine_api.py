@@ -158,3 +158,16 @@ def test_beam_search_width_one_is_greedy_and_scores_are_true_logprobs(llm, path)
         true = sum(logits[p - 1, seq.tokens[p]].item() for p in range(25, len(seq.tokens)))
         assert seq.cum_logprob == pytest.approx(true, abs=1e-3)
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
+
+
+def test_dummy_weights_from_a_config_only_folder(tmp_path):
+    from transformers import LlamaConfig
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=300, max_position_embeddings=256,
+                architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), load_format="dummy", num_gpu_blocks_override=32)
+    out = llm.generate({"prompt_token_ids": ids(0, 20)}, SamplingParams(max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text needs a tokenizer", use_tqdm=False)

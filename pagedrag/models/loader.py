@@ -87,12 +87,24 @@ def load_model(model: str | None = None, *, dtype: torch.dtype, device: torch.de
         _init_dummy(module)
     else:
         load_safetensors(module, path)
-    tokenizer = AutoTokenizer.from_pretrained(path) if path is not None else None
+    tokenizer = _tokenizer_of(path, required=load_format != "dummy")
     return LoadedModel(
         module=module, hf_config=config, tokenizer=tokenizer,
         name=_display_name(model, config, path),
         max_model_len=_max_model_len(config, max_model_len),
         eos_token_ids=eos_token_ids(config, path, tokenizer))
+
+
+def _tokenizer_of(path: Path | None, required: bool):
+    """The checkpoint's tokenizer; dummy-weight folders may have none (then None)."""
+    if path is None:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        if required:
+            raise
+        return None
 
 
 def resolve_checkpoint(model: str | None) -> Path:

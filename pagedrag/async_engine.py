@@ -26,6 +26,10 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger("pagedrag")
 
 
+def _STOP() -> None:
+    """The marker command that ends the engine thread (compared by identity, never run)."""
+
+
 class EngineStepError(RuntimeError):
     """An engine step failed while this request was in flight; the request was aborted."""
 
@@ -190,7 +194,7 @@ class AsyncLLMEngine:
             if self._closed:
                 return
             self._closed = True
-            self._commands.put(self._stop)
+            self._commands.put(_STOP)
         self._thread.join(timeout)
 
     def _enqueue(self, command: Callable[[], None]) -> None:
@@ -229,16 +233,16 @@ class AsyncLLMEngine:
             command = self._commands.get(block=wait)
         except queue.Empty:
             return True
-        while command is not self._stop:
-            command()
+        while command is not _STOP:
+            try:
+                command()
+            except Exception:  # a command must never take the engine thread down
+                logger.exception("an engine command failed")
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
         return False
-
-    def _stop(self) -> None:
-        """The marker command that ends the engine thread (never called)."""
 
     def _add(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
              cache_salt: str | None, mailbox: _Mailbox) -> None:

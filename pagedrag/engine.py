@@ -164,6 +164,7 @@ class LLMEngine:
         for seq in group.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        self._observe_pool()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -262,15 +263,20 @@ class LLMEngine:
     def _observe(self, step: SchedulerOutput) -> None:
         stats = self.kv.prefix_stats
         m = self.metrics
+        self._observe_pool()
+        m.preemptions.inc(len(step.preempted))
+        m.prefix_queries.inc(stats.queries - self._reported_queries)
+        m.prefix_hits.inc(stats.hits - self._reported_hits)
+        self._reported_queries, self._reported_hits = stats.queries, stats.hits
+
+    def _observe_pool(self) -> None:
+        """Gauges of the pool and queues (after every step and every abort)."""
+        m = self.metrics
         m.kv_cache_usage.set(self.kv.pool.usage())
         m.gpu_cache_usage.set(self.kv.pool.usage())
         m.running.set(len(self.scheduler.running))
         m.waiting.set(len(self.scheduler.waiting))
         m.swapped.set(len(self.scheduler.swapped))
-        m.preemptions.inc(len(step.preempted))
-        m.prefix_queries.inc(stats.queries - self._reported_queries)
-        m.prefix_hits.inc(stats.hits - self._reported_hits)
-        self._reported_queries, self._reported_hits = stats.queries, stats.hits
 
     def stats(self) -> dict:
         """The engine's counters (prefix cache figures in tokens)."""

@@ -60,11 +60,7 @@ class LLM:
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             **kwargs) -> dict:
         """A prompt dict (text and token ids) for one conversation."""
-        _check_conversation(conversation)
-        text = self.llm_engine.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
-        ids = self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
-        return {"prompt": text, "prompt_token_ids": ids}
+        return render_chat(self.llm_engine.tokenizer, conversation, add_generation_prompt, **kwargs)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -121,6 +117,17 @@ def _per_prompt(params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
     return params
+
+
+def render_chat(tokenizer, conversation: Conversation, add_generation_prompt: bool = True, **kwargs) -> dict:
+    """A prompt dict (text and token ids) for one conversation, through the chat template."""
+    _check_conversation(conversation)
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer with a chat template, and this model has none")
+    text = tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return {"prompt": text, "prompt_token_ids": ids}
 
 
 def _check_conversation(conversation: Conversation) -> None:

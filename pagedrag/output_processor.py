@@ -45,7 +45,8 @@ class RequestGroup:
     def _completion(self, seq: Request) -> CompletionOutput:
         finish = seq.status.value if seq.is_finished else None
         return CompletionOutput(seq.index, self.texts[seq.request_id].text, list(seq.output_token_ids),
-                                seq.cumulative_logprob, seq.logprobs, finish, seq.stop_reason)
+                                seq.cumulative_logprob, None if seq.logprobs is None else list(seq.logprobs),
+                                finish, seq.stop_reason)
 
 
 class StopPolicy:

@@ -3,7 +3,12 @@ on loopback (uvicorn in a thread), sharing one engine for the whole module."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedrag import EngineArgs
 from pagedrag.async_engine import AsyncLLMEngine
 from pagedrag.server.app import build_app
-from pagedrag.server.background import BackgroundServer
+from pagedrag.server import cli
+from pagedrag.server.background import BackgroundServer, free_port
 from pagedrag.server.serving import ServerConfig
 
 MODEL = "smol"
@@ -130,12 +136,27 @@ def test_streaming_chat_matches_whole(client):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_sse_framing(server):
+    """Exactly OpenAI's framing: `data: {json}` events split by blank lines, usage in the
+    last chunk (no choices, usage null before it), then `data: [DONE]`."""
+    body = {"prompt": "Hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEYS[0]}"}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+    assert all(event.startswith("data: {") for event in events[:-2])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all(chunk["usage"] is None and len(chunk["choices"]) == 1 for chunk in chunks[:-1])
+
+
 def test_n_completions(client):
-    result = client.completions.create(prompt="My favourite fruit is", max_tokens=6, n=3,
-                                       temperature=1.0, seed=7, model=MODEL)
+    result = client.completions.create(prompt="My favourite fruit is", max_tokens=6, n=3, temperature=1.0,
+                                       seed=7, model=MODEL, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in result.choices) == [0, 1, 2]
-    assert result.usage.completion_tokens == sum(
-        len(c.logprobs.tokens) if c.logprobs else 6 for c in result.choices) == 18
+    assert result.usage.completion_tokens == 18
     streamed = list(client.chat.completions.create(
         messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2, stream=True, model=MODEL))
     finished = {c.choices[0].index for c in streamed if c.choices and c.choices[0].finish_reason}
@@ -318,3 +339,65 @@ def test_step_failure_fails_requests_in_flight(server, client, engine):
         engine.engine.step = real_step
     _wait_idle(engine)
     assert client.completions.create(prompt="Recovered?", max_tokens=2, **_greedy()).choices[0].text
+
+
+def test_engine_that_cannot_recover_is_dead():
+    """A failed step whose requests cannot even be aborted leaves a dead engine: the
+    request gets a 500, then /health and new requests answer 503 (nothing hangs)."""
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(max_model_len=256, num_gpu_blocks_override=32))
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    engine.engine.step = engine.engine.abort_request = broken
+    try:
+        with _serve(engine) as server:
+            error = _assert_error(_post(server.base_url, "/v1/completions", {"prompt": "x"}, key=None), 500)
+            assert "device lost" in error["message"]
+            assert _assert_error(httpx.get(server.base_url + "/health"), 503)["code"] == "engine_dead"
+            _assert_error(_post(server.base_url, "/v1/completions", {"prompt": "x"}, key=None), 503)
+    finally:
+        engine.shutdown()
+
+
+# ---- the command line -------------------------------------------------------------
+def test_every_engine_arg_is_a_flag():
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["my-model", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "64",
+                              "--no-enable-prefix-caching", "--block-size", "32", "--api-key", "a",
+                              "--api-key", "b", "--max-queue", "9"])
+    engine_args = cli.engine_args_from(args)
+    assert (engine_args.model, engine_args.gpu_memory_utilization, engine_args.max_num_seqs) == ("my-model", 0.8, 64)
+    assert not engine_args.enable_prefix_caching and engine_args.block_size == 32
+    assert args.api_keys == ["a", "b"] and args.max_queue == 9 and args.host == "127.0.0.1"
+    defaults = cli.engine_args_from(parser.parse_args([]))
+    assert defaults == EngineArgs()
+    assert {f.name for f in dataclasses.fields(EngineArgs)} == set(vars(defaults))
+
+
+def test_serve_subprocess_logs_pool_and_exports_metrics(tmp_path):
+    """`pagedrag serve` logs the KV pool at start and serves pagedrag:gpu_cache_usage_perc."""
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pagedrag", "serve", "--port", str(port), "--max-model-len", "256",
+             "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--enable-prefix-caching"],
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+                break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        else:
+            raise AssertionError(f"serve did not come up: {log_path.read_text()}")
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0  # Ctrl-C: a graceful exit
+    assert "Traceback" not in log_path.read_text()
+    assert any(line.startswith("pagedrag:gpu_cache_usage_perc") for line in metrics.splitlines())
+    assert "num_cpu_blocks=64" in log_path.read_text()

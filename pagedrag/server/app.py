@@ -13,7 +13,7 @@ from ..async_engine import AsyncLLMEngine
 from .auth import ApiKeyMiddleware
 from .chat import create_chat_completion
 from .completions import create_completion
-from .errors import APIError, install_error_handlers
+from .errors import engine_dead, install_error_handlers
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving import ServerConfig, Serving
 
@@ -31,7 +31,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if engine.dead_reason is not None:
-            raise APIError(503, engine.dead_reason, code="engine_dead")
+            raise engine_dead(engine.dead_reason)
         return JSONResponse({})
 
     @app.get("/metrics")

@@ -65,7 +65,11 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the engine (its log line gives the KV pool), serve until interrupted."""
+    """Build the engine (its log line gives the KV pool), serve until interrupted.
+
+    Ctrl-C (SIGINT) shuts down gracefully and returns 0; after a graceful shutdown on
+    SIGTERM uvicorn re-raises the signal, which ends the process.
+    """
     from ..async_engine import AsyncLLMEngine
     from .app import build_app
     from .serving import ServerConfig

@@ -47,8 +47,12 @@ def as_api_error(error: Exception) -> APIError:
     if isinstance(error, (ValueError, TypeError)):
         return APIError(400, str(error))
     if isinstance(error, EngineDeadError):
-        return APIError(503, str(error), code="engine_dead")
+        return engine_dead(str(error))
     return APIError(500, f"internal error: {error}")
+
+
+def engine_dead(reason: str) -> APIError:
+    return APIError(503, reason, code="engine_dead")
 
 
 def _validation_error(errors: list[dict]) -> APIError:

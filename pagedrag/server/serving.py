@@ -8,19 +8,18 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from starlette.requests import Request
 
 from ..async_engine import AsyncLLMEngine
 from ..detokenizer import StopChecker
 from ..engine import PromptType
-from ..llm import LLM
+from ..llm import render_chat
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .auth import bearer_token, tenant_cache_salt
 from .choices import ChoiceCursor, ChoiceDelta
-from .errors import APIError, as_api_error
+from .errors import APIError, as_api_error, engine_dead
 from .logprobs import LogprobFormatter
 from .protocol import ChatCompletionRequest, PromptTokensDetails, SamplingRequest, Usage
 from .streams import merge_streams, unless_disconnected
@@ -144,12 +143,10 @@ class Serving:
         return requested
 
     def chat_prompt(self, request: ChatCompletionRequest) -> dict:
-        """The prompt dict of a conversation, rendered by LLM.apply_chat_template (the one
-        place that logic lives; it reads nothing but ``llm_engine.tokenizer``)."""
-        view = SimpleNamespace(llm_engine=SimpleNamespace(tokenizer=self.tokenizer))
+        """The prompt dict of a conversation, rendered by pagedrag.llm.render_chat."""
         try:
-            return LLM.apply_chat_template(view, request.conversation(), request.add_generation_prompt,
-                                           **(request.chat_template_kwargs or {}))
+            return render_chat(self.tokenizer, request.conversation(), request.add_generation_prompt,
+                               **(request.chat_template_kwargs or {}))
         except Exception as error:  # jinja raises its own TemplateError types
             raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
 
@@ -176,7 +173,7 @@ class Serving:
     def _admit(self, count: int) -> None:
         limit = self.config.max_queue
         if self.engine.dead_reason is not None:
-            raise APIError(503, self.engine.dead_reason, code="engine_dead")
+            raise engine_dead(self.engine.dead_reason)
         if limit is not None and self.engine.num_in_flight + count > limit:
             raise APIError(503, f"the server is at its limit of {limit} requests in flight "
                                 "(--max-queue); retry later", code="queue_full")

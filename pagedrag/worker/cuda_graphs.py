@@ -1,84 +1,119 @@
-"""CUDA graphs for decode steps: captured once per padded batch size, replayed with
+"""CUDA graphs of small engine steps, captured once per padded shape and replayed with
 the step's inputs copied into static buffers.
 
+Two kinds of steps are captured: decode steps (B sequences, one token each) for B up
+to max_batch, and single-sequence prefills of up to MAX_PREFILL_TOKENS new tokens
+(what a prefix hit leaves to compute). Larger steps run eagerly: their kernels are
+long enough that launch overhead does not matter.
+
 Invariants:
-- A replayed graph reads only the static buffers below. Rows past the real batch
-  get slot -1 (nothing is stored) and context length 1 over block 0 (a harmless
-  read); their outputs are dropped.
-- Block tables are as wide as max_model_len needs, so one graph serves every
-  context length; kernels read each sequence only up to its context length.
+- A replayed graph reads only the static buffers. Padding rows get slot -1 (nothing is
+  stored); padded sequences get context length 1 over block 0 (a harmless read);
+  padded tokens of a prefill lie past query_start_loc[-1], so no sequence owns them.
+  Their outputs are dropped.
+- Block tables are as wide as max_model_len needs, so one graph serves every context.
+- Graphs return hidden states; the caller computes logits for the rows that sample.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..models.attention import AttentionMetadata
 
+MAX_PREFILL_TOKENS = 256
 
-def capture_sizes(max_batch: int) -> list[int]:
+
+def decode_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to max_batch (and max_batch itself)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
     return sorted(set(sizes + [max_batch]))
 
 
-class DecodeGraphs:
+PREFILL_SIZES = (16, 32, 64, 128, MAX_PREFILL_TOKENS)
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    num_seqs: int
+    num_tokens: int
+
+    @property
+    def decode(self) -> bool:
+        return self.num_seqs == self.num_tokens
+
+
+class StepGraphs:
     def __init__(self, model: torch.nn.Module, kv_layers: list, ops, max_batch: int,
                  max_blocks_per_seq: int, device: torch.device):
         self.model = model
         self.kv_layers = kv_layers
         self.ops = ops
-        self.sizes = capture_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
+        self.shapes = ([GraphShape(b, b) for b in decode_sizes(max_batch)]
+                       + [GraphShape(1, t) for t in PREFILL_SIZES])
+        max_tokens = max(s.num_tokens for s in self.shapes)
+        max_seqs = max(s.num_seqs for s in self.shapes)
         zeros = lambda *shape, dtype: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        self.input_ids = zeros(self.max_batch, dtype=torch.int64)
-        self.positions = zeros(self.max_batch, dtype=torch.int64)
-        self.slots = zeros(self.max_batch, dtype=torch.int64)
-        self.block_tables = zeros(self.max_batch, max_blocks_per_seq, dtype=torch.int32)
-        self.context_lens = zeros(self.max_batch, dtype=torch.int32)
-        self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.input_ids = zeros(max_tokens, dtype=torch.int64)
+        self.positions = zeros(max_tokens, dtype=torch.int64)
+        self.slots = zeros(max_tokens, dtype=torch.int64)
+        self.block_tables = zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32)
+        self.context_lens = zeros(max_seqs, dtype=torch.int32)
+        self.query_start_loc = zeros(max_seqs + 1, dtype=torch.int32)
+        self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[GraphShape, torch.Tensor] = {}
         self.pool = None
 
-    def _forward(self, batch: int) -> torch.Tensor:
-        meta = AttentionMetadata(self.slots[:batch], self.block_tables[:batch], self.context_lens[:batch],
-                                 self.query_start_loc[:batch + 1], decode_only=True, ops=self.ops)
-        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_layers, meta)
-        return self.model.compute_logits(hidden)
+    def _forward(self, shape: GraphShape) -> torch.Tensor:
+        meta = AttentionMetadata(self.slots[:shape.num_tokens], self.block_tables[:shape.num_seqs],
+                                 self.context_lens[:shape.num_seqs],
+                                 self.query_start_loc[:shape.num_seqs + 1], shape.decode, self.ops)
+        return self.model(self.input_ids[:shape.num_tokens], self.positions[:shape.num_tokens],
+                          self.kv_layers, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, so that smaller graphs reuse its memory pool."""
-        self._reset_padding(0)
-        for batch in reversed(self.sizes):
-            self._forward(batch)  # warm up: compile kernels, settle allocations
+        """Capture every shape, largest first, so that smaller graphs reuse its memory pool."""
+        for shape in sorted(self.shapes, key=lambda s: (s.num_tokens, s.num_seqs), reverse=True):
+            self._pad(shape, num_seqs=0, num_tokens=0)
+            self._forward(shape)  # warm up: compile kernels, settle allocations
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[batch] = self._forward(batch)
+                self.hidden[shape] = self._forward(shape)
             self.pool = graph.pool()
-            self.graphs[batch] = graph
+            self.graphs[shape] = graph
         torch.cuda.synchronize()
 
-    def _reset_padding(self, start: int) -> None:
-        self.slots[start:].fill_(-1)
-        self.context_lens[start:].fill_(1)
-        self.block_tables[start:].zero_()
+    def _pad(self, shape: GraphShape, num_seqs: int, num_tokens: int) -> None:
+        """Make rows past the real step harmless (see the module docstring)."""
+        self.slots[num_tokens:shape.num_tokens].fill_(-1)
+        self.context_lens[num_seqs:shape.num_seqs].fill_(1)
+        self.block_tables[num_seqs:shape.num_seqs].zero_()
+        if shape.decode:
+            self.query_start_loc[num_seqs:shape.num_seqs + 1] = torch.arange(
+                num_seqs, shape.num_seqs + 1, dtype=torch.int32, device=self.slots.device)
 
-    def can_run(self, batch: int) -> bool:
-        return batch <= self.max_batch
+    def shape_for(self, num_seqs: int, num_tokens: int, decode: bool) -> GraphShape | None:
+        """The smallest captured shape that holds this step, or None (run it eagerly)."""
+        for shape in sorted(self.shapes, key=lambda s: s.num_tokens):
+            if shape.decode == decode and shape.num_seqs >= num_seqs and shape.num_tokens >= num_tokens \
+                    and (decode or shape.num_seqs == num_seqs):
+                return shape
+        return None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits [batch, vocab] of one decode step (one token per sequence)."""
-        batch = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= batch)
-        self.input_ids[:batch].copy_(input_ids)
-        self.positions[:batch].copy_(positions)
-        self.slots[:batch].copy_(meta.slot_mapping)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:batch, :width].copy_(meta.block_tables)
-        self.context_lens[:batch].copy_(meta.context_lens)
-        self._reset_padding(batch)
-        self.graphs[size].replay()
-        return self.logits[size][:batch]
+    def run(self, shape: GraphShape, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of one step, replayed from its graph."""
+        num_tokens, num_seqs = input_ids.shape[0], meta.context_lens.shape[0]
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slots[:num_tokens].copy_(meta.slot_mapping)
+        self.block_tables[:num_seqs, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.context_lens[:num_seqs].copy_(meta.context_lens)
+        self.query_start_loc[:num_seqs + 1].copy_(meta.query_start_loc)
+        self._pad(shape, num_seqs, num_tokens)
+        self.graphs[shape].replay()
+        return self.hidden[shape][:num_tokens]

@@ -16,7 +16,7 @@ import torch
 from .. import kernels
 from ..core.scheduler import SchedulerOutput
 from ..models.attention import AttentionMetadata
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import StepGraphs
 from .kv_cache import KVCacheTensors
 
 
@@ -41,13 +41,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.ops = kernels.ops_for(device)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
 
-    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """Capture CUDA graphs of decode steps for batches up to max_batch (CUDA only)."""
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Capture CUDA graphs of decode steps (up to max_batch sequences) and of small
+        single-sequence prefills (CUDA only)."""
         max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.cache.device_layers, self.ops, max_batch,
-                                   max_blocks, self.device)
+        self.graphs = StepGraphs(self.model, self.cache.device_layers, self.ops, max_batch,
+                                 max_blocks, self.device)
         self.graphs.capture()
 
     def prepare(self, step: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
@@ -83,8 +84,10 @@ class ModelRunner:
         if not step.scheduled:
             return torch.empty(0, device=self.device)
         inputs = self.prepare(step, block_tables)
-        if self.graphs is not None and inputs.meta.decode_only and self.graphs.can_run(len(step.scheduled)):
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
-            return logits[inputs.logits_indices]
-        hidden = self.model(inputs.input_ids, inputs.positions, self.cache.device_layers, inputs.meta)
+        shape = None if self.graphs is None else self.graphs.shape_for(
+            len(step.scheduled), step.num_tokens, inputs.meta.decode_only)
+        if shape is not None:
+            hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.cache.device_layers, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices])

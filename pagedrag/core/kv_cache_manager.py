@@ -48,6 +48,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.cpu_free: list[int] = list(range(num_cpu_blocks))
         self.tables: dict[str, list[KVBlock]] = {}
+        self.num_offered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
         self.cpu_tables: dict[str, list[int]] = {}
         self.pending_copies: list[tuple[int, int]] = []
         self.swaps = SwapPlan()
@@ -126,20 +127,23 @@ class KVCacheManager:
             return
         table = self.tables.get(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
-        for index in range(num_full):
+        for index in range(self.num_offered.get(request.request_id, 0), num_full):
             start = index * self.block_size
             self.pool.cache(table[index], request.block_hashes[index],
                             request.token_ids[start:start + self.block_size])
+        self.num_offered[request.request_id] = max(num_full, self.num_offered.get(request.request_id, 0))
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (copy-on-write on first write)."""
         blocks = list(self.tables[parent.request_id])
         self.pool.touch(blocks)
         self.tables[child.request_id] = blocks
+        self.num_offered[child.request_id] = self.num_offered.get(parent.request_id, 0)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (device and swap space)."""
         table = self.tables.pop(request.request_id, [])
+        self.num_offered.pop(request.request_id, None)
         self.pool.free(list(reversed(table)))
         self.cpu_free.extend(self.cpu_tables.pop(request.request_id, []))
 
@@ -153,6 +157,7 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> None:
         """Queue the request's blocks for a copy to CPU memory and free them on the device."""
         table = self.tables.pop(request.request_id, [])
+        self.num_offered.pop(request.request_id, None)  # fresh blocks come back on swap-in
         cpu_ids = [self.cpu_free.pop() for _ in table]
         self.swaps.out.extend((block.block_id, cpu) for block, cpu in zip(table, cpu_ids))
         self.cpu_tables[request.request_id] = cpu_ids

@@ -1,8 +1,10 @@
 """Paged KV kernels (imported as ``pagedrag.kernels``).
 
 ``ops_for(device)`` picks the implementation: Triton kernels on CUDA, the torch
-references on CPU. Both expose store_kv, paged_decode_attention,
-prefix_prefill_attention, copy_blocks and swap_blocks with one signature.
+references on CPU. Both expose, with one signature each, the paged KV ops
+(store_kv, paged_decode_attention, prefix_prefill_attention, copy_blocks,
+swap_blocks) and the model's fused elementwise ops (rms_norm, rotary_embedding,
+silu_and_mul).
 """
 
 from __future__ import annotations

@@ -111,3 +111,46 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping:
     src = block_mapping[:, 0].long().to(src_cache.device)
     dst = block_mapping[:, 1].long().to(dst_cache.device)
     dst_cache[dst] = src_cache[src].to(dst_cache.device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim of x [..., H], optionally after adding ``residual``.
+
+    HF's order of casts: the sum s = x + residual is in x's dtype, the norm in
+    float32 rounded back to x's dtype, then scaled by weight [H] (the result has
+    the promoted dtype of the two). Returns norm(x) * weight, or (norm(s) * weight, s).
+    """
+    if residual is not None:
+        x = x + residual
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+    return normed if residual is None else (normed, x)
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate every head of q [T, Hq * head_dim] and k [T, Hk * head_dim] by its token's position.
+
+    Neox layout (HF's rotate_half): x * cos + cat(-x2, x1) * sin per head, with
+    cos/sin = cat(freqs, freqs) rounded to q's dtype. cos_sin_cache [max_pos,
+    head_dim] float32 holds cos then sin (head_dim / 2 each) of position p in row
+    p; positions [T]. q and k may be row-strided views (last dim contiguous).
+    Returns the rotated (q, k): new tensors here, while the Triton version rotates
+    in place and returns its inputs, so callers use the results and drop the inputs.
+    """
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(q.dtype)
+    sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(q.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        heads = x.view(x.shape[0], -1, head_dim)
+        first, second = heads.chunk(2, dim=-1)
+        return (heads * cos + torch.cat((-second, first), dim=-1) * sin).flatten(1)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2 * I] holding gate | up -> silu(gate) * up, [T, I] in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,4 +1,5 @@
-"""The CUDA implementation of the five paged KV ops (what ``ops_for("cuda")`` returns).
+"""The CUDA implementation of the paged KV ops and the fused elementwise ops (what
+``ops_for("cuda")`` returns).
 
 Each function has its reference's signature (kernels/reference.py). What callers
 must hand in:
@@ -30,6 +31,9 @@ import torch
 from . import reference
 from .block_copy import copy_blocks_between, kernel_device
 from .decode_attention import paged_decode_attention as _decode
+from .fused_act import silu_and_mul
+from .fused_norm import rms_norm
+from .fused_rope import rotary_embedding
 from .prefill_attention import prefix_prefill_attention as _prefill
 from .store_kv import store_kv as _store
 
@@ -69,5 +73,8 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping:
         copy_blocks_between([src_cache], [dst_cache], block_mapping)
 
 
+# The paged KV ops above, then the model's fused elementwise ops (one launch each,
+# same signatures and numerics as their references).
 __all__ = ["store_kv", "paged_decode_attention", "prefix_prefill_attention",
-           "copy_blocks", "swap_blocks"]
+           "copy_blocks", "swap_blocks", "rms_norm", "rotary_embedding", "silu_and_mul"]
+

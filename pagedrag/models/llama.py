@@ -17,17 +17,19 @@ Invariants:
 - ``sliding_window`` (Mistral, some Qwen2 configs) is ignored: every token
   attends to its whole context. Results match HF while sequences stay within
   the window; past it they differ.
+- Norms, rotary embedding and the MLP activation run through ``meta.ops``, like
+  attention: the torch references on CPU, fused Triton kernels on CUDA.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedrag.models.attention import AttentionMetadata, PagedAttention
@@ -88,9 +90,9 @@ def head_dim_of(config: PretrainedConfig) -> int:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, optionally fused with the residual add.
 
-    ``norm(x, residual)`` returns (normed(x + residual), x + residual): the sum is
-    the next residual. Numerics follow HF: add in the model dtype, normalize in
-    float32, cast back, then scale by the weight.
+    ``norm(x, residual, ops=ops)`` returns (normed(x + residual), x + residual):
+    the sum is the next residual. Numerics follow HF: add in the model dtype,
+    normalize in float32, cast back, then scale by the weight.
     """
 
     def __init__(self, dim: int, eps: float):
@@ -98,11 +100,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
-        return normed if residual is None else (normed, x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, ops: ModuleType):
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class MergedLinear(nn.Linear):
@@ -146,10 +145,13 @@ def rope_frequencies(config: PretrainedConfig,
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for the positions of one step (neox layout: halves rotated).
+    """The cos/sin table of every position, for ``ops.rotary_embedding`` (neox layout).
 
-    ``inv_freq`` must stay float32: ``Module.to(dtype)`` rounds it and
-    ``Module.to_empty`` drops its values, so call ``reset_frequencies`` after either.
+    ``cos_sin_cache`` [max_position_embeddings, head_dim] float32: row p holds
+    cos(p * inv_freq) then sin(p * inv_freq), times the attention scaling (the
+    values HF computes per step). Both buffers must stay float32:
+    ``Module.to(dtype)`` rounds them and ``Module.to_empty`` drops their values,
+    so call ``reset_frequencies`` after either.
     """
 
     def __init__(self, config: PretrainedConfig):
@@ -157,22 +159,18 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         inv_freq, self.scaling = rope_frequencies(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("cos_sin_cache", self._table(inv_freq), persistent=False)
 
     def reset_frequencies(self) -> None:
-        """Recompute the float32 frequencies on the buffer's device."""
+        """Recompute the float32 frequencies and table on the buffers' device."""
         self.inv_freq = rope_frequencies(self.config, self.inv_freq.device)[0]
+        self.cos_sin_cache = self._table(self.inv_freq)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, sin), each [T, 1, head_dim] in ``dtype``."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by the angles in cos/sin [T, 1, head_dim]."""
-    first, second = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-second, first), dim=-1) * sin
+    def _table(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32,
+                                 device=inv_freq.device)
+        freqs = positions[:, None] * inv_freq[None, :]
+        return torch.cat((freqs.cos() * self.scaling, freqs.sin() * self.scaling), dim=-1)
 
 
 class LlamaAttention(nn.Module):
@@ -192,31 +190,30 @@ class LlamaAttention(nn.Module):
         self.qk_norm = variant.qk_norm
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q.flatten(1), k.flatten(1), v, kv_cache, meta)
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim), ops=meta.ops).flatten(1)
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim), ops=meta.ops).flatten(1)
+        q, k = meta.ops.rotary_embedding(q, k, positions, cos_sin_cache, self.head_dim)
+        out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), with gate and up as one merged GEMM."""
+    """down(silu(gate(x)) * up(x)), with gate and up as one merged GEMM."""
 
     def __init__(self, config: PretrainedConfig, variant: Variant):
         super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; pagedrag supports 'silu'")
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], variant.mlp_bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=variant.mlp_bias)
-        self.act = ACT2FN[config.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -229,16 +226,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, variant)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata):
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata):
         """Returns (this layer's output, residual); their sum is the layer's true output."""
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            hidden, residual = self.input_layernorm(hidden, ops=meta.ops), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm(hidden, residual, ops=meta.ops)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, ops=meta.ops)
+        return self.mlp(hidden, meta.ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -255,11 +252,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
-        hidden, _ = self.norm(hidden, residual)
+            hidden, residual = layer(hidden, residual, positions, self.rotary.cos_sin_cache,
+                                     kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual, ops=meta.ops)
         return hidden
 
 

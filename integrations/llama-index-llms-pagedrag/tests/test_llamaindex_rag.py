@@ -1,0 +1,67 @@
+"""A real RAG pipeline: PagedRAG as Settings.llm over a faiss VectorStoreIndex with MiniLM
+embeddings; 32 questions whose top-5 retrieved sets overlap.
+
+The canonical node order must at least double the prefix-cache hit rate, and the answers
+must equal those of the same prompts run with prefix caching off (greedy decoding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from llama_index.core import Settings
+from llama_index.llms.pagedrag import PAGEDRAG_QA_TEMPLATE, PagedRAG, canonical_query_engine_kwargs
+from testing_support import ENGINE_KWARGS, MAX_TOKENS, NO_CACHE_ENGINE_KWARGS, RAG_QUERIES, TOP_K, hit_rate
+
+
+@pytest.fixture
+def settings(embed_model):
+    """LlamaIndex's global Settings, with MiniLM embeddings; restored afterwards."""
+    saved = Settings._llm, Settings._embed_model
+    Settings.embed_model = embed_model
+    yield Settings
+    Settings._llm, Settings._embed_model = saved
+
+
+def hit_rate_of_run(index, llm: PagedRAG, **query_engine_kwargs) -> float:
+    """Ask every question, one after the other, with ``llm`` as Settings.llm on a cold
+    prefix cache; the hit rate over the run."""
+    Settings.llm = llm
+    llm.client.reset_prefix_cache()
+    before = llm.stats()
+    engine = index.as_query_engine(similarity_top_k=TOP_K, **query_engine_kwargs)
+    for query in RAG_QUERIES:
+        engine.query(query)
+    return hit_rate(before, llm.stats())
+
+
+def test_canonical_order_doubles_the_hit_rate_and_keeps_the_answers(index, llm, settings, recorder):
+    # the baseline only measures prompts, whose hits do not depend on the answers' length
+    one_token = PagedRAG(engine_kwargs=ENGINE_KWARGS, max_tokens=1)
+    retriever_order = hit_rate_of_run(index, one_token, text_qa_template=PAGEDRAG_QA_TEMPLATE)
+    recorder.chats.clear()
+    canonical = hit_rate_of_run(index, llm, **canonical_query_engine_kwargs())
+    print(f"\nLlamaIndex prefix-cache hit rate: retriever order {retriever_order:.1%}, "
+          f"canonical order {canonical:.1%} ({canonical / retriever_order:.2f}x)")
+    assert canonical >= 2 * retriever_order
+
+    chats = list(recorder.chats)
+    assert len(chats) == len(RAG_QUERIES)
+    reference = PagedRAG(engine_kwargs=NO_CACHE_ENGINE_KWARGS, max_tokens=MAX_TOKENS)
+
+    async def answer_all():  # submitted together: one engine batch
+        return await asyncio.gather(*(reference.achat(messages) for messages, _ in chats))
+
+    expected = asyncio.run(answer_all())
+    assert [response.message.content for _, response in chats] == [r.message.content for r in expected]
+    assert all(r.additional_kwargs["cached_tokens"] == 0 for r in expected)
+
+
+def test_llamaindex_default_templates_with_the_canonical_order(index, llm):
+    """LlamaIndex's own chat QA template already puts the context before the query, so
+    the canonical node order works with it too."""
+    postprocessors = canonical_query_engine_kwargs()["node_postprocessors"]
+    engine = index.as_query_engine(llm=llm, similarity_top_k=TOP_K, node_postprocessors=postprocessors)
+    response = engine.query(RAG_QUERIES[0])
+    assert response.response and len(response.source_nodes) == TOP_K

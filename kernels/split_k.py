@@ -57,6 +57,22 @@ def empty_partials(rows: int, heads: int, num_splits: int, head_dim: int,
     return part_acc, part_max, part_sum
 
 
+def plan_splits(out: torch.Tensor, programs: int, max_context: int, tile_n: int,
+                num_splits: int | None, programs_per_sm: int):
+    """(num_splits, partition, part_acc, part_max, part_sum) for an attention launch whose
+    output ``out`` is [rows, heads, head_dim] and whose grid has ``programs`` programs
+    before splitting. num_splits None picks one from the shapes; with one split the
+    partials are unused placeholders (``out`` itself)."""
+    if num_splits is None:
+        num_splits = choose_num_splits(programs, max_context, out.device, programs_per_sm)
+    partition = partition_size(max_context, num_splits, tile_n)
+    num_splits = triton.cdiv(max_context, partition)
+    if num_splits == 1:
+        return num_splits, partition, out, out, out
+    rows, heads, head_dim = out.shape
+    return (num_splits, partition, *empty_partials(rows, heads, num_splits, head_dim, out.device))
+
+
 @triton.jit
 def _merge_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
                   num_splits, stride_or, stride_oh,

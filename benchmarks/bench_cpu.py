@@ -1,6 +1,6 @@
 """pagedrag vs HF transformers generate on CPU, side by side in one run.
 
-    python benchmarks/bench_cpu.py [--threads 2]
+    python benchmarks/bench_cpu.py [--threads 2] [--repeats 3]
 
 SmolLM2-135M-Instruct (the embedded default, float32), the RAG workload of
 pagedrag.bench (a fixed system prompt, 3-5 chunks from a pool of 16, a question;
@@ -50,28 +50,39 @@ def bench_ttft(llm, hf, warmup, measured) -> dict:
             "hit": hit_tokens / sum(len(p) for p in measured)}
 
 
-def bench_throughput(llm, hf, prompts, new_tokens) -> dict:
-    """8 requests at once, with the prefix cache as the earlier sections left it (warm:
-    their chunk sets were seen before) and from an empty cache (cold)."""
+def bench_throughput(llm, hf, prompts, warmup, new_tokens, repeats) -> dict:
+    """8 requests at once, with a warm prefix cache (it holds just the ``warmup`` prompts,
+    which share their chunk sets) and with an empty one (cold), against HF generating
+    them one at a time; the three alternate ``repeats`` times (this shared machine's
+    speed drifts by tens of percent over minutes), and each figure is the median."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    rates = {}
-    for name in ("warm", "cold"):
-        if name == "cold":
+    tokens = len(prompts) * new_tokens
+    seconds = {"warm": [], "cold": [], "hf": []}
+    for _ in range(repeats):
+        for name in ("warm", "cold"):
             llm.llm_engine.reset_prefix_cache()
-        start = time.perf_counter()
-        llm.generate(batch, params, use_tqdm=False)
-        rates[name] = len(prompts) * new_tokens / (time.perf_counter() - start)
-    hf_seconds = sum(hf_generate_seconds(hf, p, new_tokens) for p in prompts)
-    return {**rates, "hf": len(prompts) * new_tokens / hf_seconds}
+            if name == "warm":
+                for prompt in warmup:
+                    engine_ttft(llm, prompt)
+            start = time.perf_counter()
+            llm.generate(batch, params, use_tqdm=False)
+            seconds[name].append(time.perf_counter() - start)
+        seconds["hf"].append(sum(hf_generate_seconds(hf, p, new_tokens) for p in prompts))
+    return {name: tokens / statistics.median(values) for name, values in seconds.items()}
 
 
-def bench_decode(llm, hf, prompt, new_tokens) -> dict:
+def bench_decode(llm, hf, prompt, new_tokens, repeats) -> dict:
+    """Tokens a second after the first token, one request alone; ours and HF's alternate
+    ``repeats`` times, each figure is the median."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
-    ours = (new_tokens - 1) / (out.metrics.finished_time - out.metrics.first_token_time)
-    hf_decode = hf_generate_seconds(hf, prompt, new_tokens) - hf_generate_seconds(hf, prompt, 1)
-    return {"ours": ours, "hf": (new_tokens - 1) / hf_decode}
+    ours, theirs = [], []
+    for _ in range(repeats):
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        ours.append((new_tokens - 1) / (out.metrics.finished_time - out.metrics.first_token_time))
+        hf_decode = hf_generate_seconds(hf, prompt, new_tokens) - hf_generate_seconds(hf, prompt, 1)
+        theirs.append((new_tokens - 1) / hf_decode)
+    return {"ours": statistics.median(ours), "hf": statistics.median(theirs)}
 
 
 def bench_memory(path, prompts, new_tokens) -> dict:
@@ -97,6 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs behind each median")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = str(resolve_checkpoint(None))
@@ -110,8 +122,8 @@ def main() -> None:
     llm.llm_engine.reset_prefix_cache()
 
     ttft = bench_ttft(llm, hf, prompts[:8], prompts[8:16])
-    throughput = bench_throughput(llm, hf, prompts[16:24], args.new_tokens)
-    decode = bench_decode(llm, hf, prompts[0], 128)
+    throughput = bench_throughput(llm, hf, prompts[16:24], prompts[:8], args.new_tokens, args.repeats)
+    decode = bench_decode(llm, hf, prompts[0], 128, args.repeats)
     memory = bench_memory(path, prompts[16:24], args.new_tokens)
 
     print(f"\nSmolLM2-135M-Instruct fp32, {args.threads} threads, {platform.processor() or platform.machine()}, "

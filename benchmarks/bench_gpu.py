@@ -4,7 +4,7 @@
 
 Llama-3-8B shape (32 layers, hidden 4096, intermediate 14336, 32 heads, 8 KV heads,
 head_dim 128, vocab 128256) with random bf16 weights; fixed output lengths (EOS
-ignored). Prints a markdown table with each figure's floor: bytes / copy bandwidth
+ignored), greedy on both sides. Prints a markdown table with each figure's floor: bytes / copy bandwidth
 measured here, or FLOPs / PEAK_TFLOPS.
 """
 
@@ -92,7 +92,8 @@ def engine_figures(folder: str, prompts: list[list[int]]) -> dict:
     llm = LLM(folder, load_format="dummy", max_model_len=4096, max_num_seqs=64,
               gpu_memory_utilization=0.85)
     one = lambda p, n: llm.generate({"prompt_token_ids": p},  # noqa: E731
-                                    SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+                                    SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                                    use_tqdm=False)[0]
     one(prompts[1], 4)  # warm up (kernels compiled, graphs already captured)
     llm.llm_engine.reset_prefix_cache()
     cold = min(_fresh_ttft(llm, one, prompts[0]) for _ in range(3))
@@ -101,7 +102,7 @@ def engine_figures(folder: str, prompts: list[list[int]]) -> dict:
     cached = one(cached_prompt, 1)
     out = one(prompts[3], NEW_TOKENS)
     decode = (out.metrics.finished_time - out.metrics.first_token_time) / (NEW_TOKENS - 1)
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     # Steady state: a first run of the same shape (other tokens) compiles every kernel variant.
     llm.generate([{"prompt_token_ids": p} for p in rag_prompts(seed=1)], params, use_tqdm=False)
     llm.llm_engine.reset_prefix_cache()

@@ -1,59 +1,49 @@
-"""Where an engine step's time goes on a GPU: per-step wall time split into the model
-runner (input prep + forward + logits) and the rest (scheduling, sampling, bookkeeping),
-for the RAG workload of bench_gpu.py.
+"""Where an engine step's time goes on a GPU: wall time per step next to the time the
+device spends in kernels, for a batch-1 decode and the RAG workload of bench_gpu.py.
 
     python benchmarks/profile_steps.py
+
+A step whose device time is close to its wall time is device-bound; a gap is host
+work (scheduling, input preparation, sampling bookkeeping) that the device waits for.
+The top kernels by device time are printed for the batch-1 decode.
 """
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
-from collections import defaultdict
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from bench_gpu import NEW_TOKENS, llama3_8b_config, rag_prompts
 from pagedrag import LLM, SamplingParams
 
 
-def instrument(engine) -> list[dict]:
-    """Wrap engine.step and runner.execute to record each step's timings."""
-    records: list[dict] = []
-    step, execute = engine.step, engine.runner.execute
+def profiled(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, int, object]:
+    """(wall s, device s, engine steps, profile) of generating new_tokens for each prompt."""
+    engine = llm.llm_engine
+    steps = 0
+    step = engine.step
 
-    def timed_execute(sched, tables):
+    def counted():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = counted
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        logits = execute(sched, tables)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         torch.cuda.synchronize()
-        records[-1]["runner"] = time.perf_counter() - start
-        records[-1]["tokens"] = sched.num_tokens
-        records[-1]["decode"] = all(s.num_new_tokens == 1 for s in sched.scheduled)
-        records[-1]["batch"] = len(sched.scheduled)
-        return logits
-
-    def timed_step():
-        records.append({})
-        start = time.perf_counter()
-        out = step()
-        records[-1]["step"] = time.perf_counter() - start
-        return out
-
-    engine.step, engine.runner.execute = timed_step, timed_execute
-    return records
-
-
-def summarize(records: list[dict]) -> None:
-    groups = defaultdict(list)
-    for r in records:
-        groups["decode" if r.get("decode") else "prefill/mixed"].append(r)
-    for name, rows in groups.items():
-        steps = [r["step"] for r in rows]
-        runner = [r.get("runner", 0) for r in rows]
-        print(f"{name}: {len(rows)} steps, {sum(steps):.3f} s total; step median {statistics.median(steps) * 1e3:.2f} ms, "
-              f"runner median {statistics.median(runner) * 1e3:.2f} ms; tokens/step median "
-              f"{statistics.median(r.get('tokens', 0) for r in rows)}; batch median {statistics.median(r.get('batch', 0) for r in rows)}")
+        wall = time.perf_counter() - start
+    engine.step = step
+    kernels = sum(e.self_device_time_total for e in prof.key_averages()
+                  if e.device_type == DeviceType.CUDA) / 1e6
+    return wall, kernels, steps, prof
 
 
 def main() -> None:
@@ -63,17 +53,19 @@ def main() -> None:
         config.save_pretrained(folder)
         llm = LLM(folder, load_format="dummy", max_model_len=4096, max_num_seqs=64, gpu_memory_utilization=0.85)
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
-    llm.llm_engine.reset_prefix_cache()
-    records = instrument(llm.llm_engine)
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    print(f"RAG workload: {time.perf_counter() - start:.3f} s")
-    summarize(records)
-    records.clear()
-    llm.generate({"prompt_token_ids": prompts[5]}, params, use_tqdm=False)
-    print("batch 1:")
-    summarize(records)
+    llm.generate([{"prompt_token_ids": p} for p in rag_prompts(seed=1)], params, use_tqdm=False)  # compile
+    cached = prompts[0][:1280] + prompts[2][-32:]
+    cases = [("batch-1 decode", prompts[5:6], NEW_TOKENS), ("RAG workload", prompts, NEW_TOKENS),
+             ("TTFT, 1,280 of 1,312 tokens cached", [cached], 1)]
+    for name, batch, new_tokens in cases:
+        llm.llm_engine.reset_prefix_cache()
+        if new_tokens == 1:
+            llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=1), use_tqdm=False)
+        wall, kernels, steps, prof = profiled(llm, batch, new_tokens)
+        print(f"{name}: {steps} steps, wall {wall * 1e3:.1f} ms ({wall / steps * 1e3:.2f} ms a step), "
+              f"kernels {kernels * 1e3:.1f} ms ({kernels / wall:.0%} of wall)")
+        if name != "RAG workload":
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
 
 
 if __name__ == "__main__":

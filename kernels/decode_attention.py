@@ -26,9 +26,13 @@ import triton.language as tl
 from .paged_tile import DOT_IN_FP32, NEG_BIG, attend_range
 from .split_k import merge_partials, plan_splits
 
-# Split the context until the grid has about this many programs per SM (H200: at
-# batch 64 x 8 KV heads = 3.9 programs per SM, one split beat two).
-PROGRAMS_PER_SM = 3
+# Split the context until the grid has about this many programs per SM, unless the
+# unsplit grid already has SATURATED_PER_SM. H200, 1,376-token contexts in a 4,096-token
+# table, inside a CUDA graph: batch 1 (8 programs) 9.8 -> 7.7 us with 32 splits, batch 8
+# 24.5 -> 17.3 us with 16; from batch 32 (1.9 programs per SM) splitting gains nothing,
+# and at batch 64 one split beats two.
+PROGRAMS_PER_SM = 8
+SATURATED_PER_SM = 1.9
 
 
 @triton.jit
@@ -111,7 +115,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         tile_n = min(tile_n, 32)
     max_context = block_tables.shape[1] * block_size
     num_splits, partition, part_acc, part_max, part_sum = plan_splits(
-        out, batch * num_kv_heads, max_context, tile_n, num_splits, PROGRAMS_PER_SM)
+        out, batch * num_kv_heads, max_context, tile_n, num_splits, PROGRAMS_PER_SM, SATURATED_PER_SM)
     _decode_partition_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, context_lens,
         out, part_acc, part_max, part_sum,

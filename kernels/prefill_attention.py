@@ -36,8 +36,11 @@ import triton.language as tl
 from .paged_tile import DOT_IN_FP32, NEG_BIG, attend_range
 from .split_k import merge_partials, plan_splits
 
-# Split the keys only while the grid has fewer programs than this many per SM.
-PROGRAMS_PER_SM = 1
+# Split the keys until the grid has about this many programs per SM, unless the unsplit
+# grid already has SATURATED_PER_SM (as in decode_attention). H200, 32 new tokens over a
+# 1,312-token context inside a CUDA graph: 6 splits of 704 keys took 20.8 us a layer.
+PROGRAMS_PER_SM = 8
+SATURATED_PER_SM = 2
 
 
 @triton.jit
@@ -152,7 +155,7 @@ def prefix_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     slots = num_tokens // tokens_per_tile + num_seqs
     max_context = block_tables.shape[1] * block_size
     num_splits, partition, part_acc, part_max, part_sum = plan_splits(
-        out, slots * num_kv_heads, max_context, tile_n, num_splits, PROGRAMS_PER_SM)
+        out, slots * num_kv_heads, max_context, tile_n, num_splits, PROGRAMS_PER_SM, SATURATED_PER_SM)
     _prefill_kernel[(slots, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_acc, part_max, part_sum,
         block_tables, query_start_loc, context_lens,

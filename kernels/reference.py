@@ -30,7 +30,7 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     """The first ``length`` cached rows of one sequence: [length, kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    rows = cache[block_table[:num_blocks].long()]
+    rows = cache.index_select(0, block_table[:num_blocks].long())
     return rows.reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
@@ -41,25 +41,27 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     query [B, heads, head_dim]; block_tables [B, max_blocks] (int32, padded with
     any valid block id); context_lens [B] (int32, >= 1, the current token included).
-    Returns [B, heads, head_dim].
+    Returns [B, heads, head_dim]. Computed in float32, sequence by sequence: each
+    gathers its own blocks whole (long contiguous copies) and keeps just its context
+    rows, so nothing is padded or masked, and the copy stays small enough for the
+    CPU caches.
     """
-    batch, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(context_lens.max())
-    max_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :max_blocks].long()
-    keys = k_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
-    values = v_cache[table].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
-    positions = torch.arange(max_len, device=query.device)
-    valid = positions[None, :] < context_lens[:, None].to(query.device)  # [B, max_len]
-    # Rows past a sequence's length hold whatever the pool had there (maybe NaN):
-    # zero them, as a masked score or weight cannot cancel a NaN.
-    keys = keys.masked_fill(~valid[:, :, None, None], 0)
-    values = values.masked_fill(~valid[:, :, None, None], 0)
-    out = F.scaled_dot_product_attention(
-        query[:, :, None, :], keys.transpose(1, 2).to(query.dtype), values.transpose(1, 2).to(query.dtype),
-        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads)
-    return out[:, :, 0, :]
+    out = torch.empty_like(query)
+    for b, length in enumerate(context_lens.tolist()):
+        out[b] = _attend_one(query[b], _gather_context(k_cache, block_tables[b], length),
+                             _gather_context(v_cache, block_tables[b], length), scale)
+    return out
+
+
+def _attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [heads, head_dim] over keys/values [n, kv_heads, head_dim] (GQA: query head h
+    reads kv head h // (heads / kv_heads)), in float32; returns query's shape and dtype."""
+    num_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    grouped = query.view(num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    scores = torch.matmul(grouped, keys.permute(1, 2, 0).float()) * scale  # [kv_heads, group, n]
+    out = torch.matmul(scores.softmax(dim=-1), values.transpose(0, 1).float())
+    return out.reshape(num_heads, head_dim).to(query.dtype)
 
 
 def prefix_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -26,7 +26,7 @@ import triton.language as tl
 from .paged_tile import NEG_BIG
 
 MAX_SPLITS = 64      # bound on partitions per row (the merge holds them all at once)
-MIN_PARTITION = 256  # fewest positions worth a partition of their own
+MIN_PARTITION = 128  # fewest positions worth a partition of their own
 
 
 @functools.cache
@@ -37,8 +37,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(programs: int, max_context: int, device: torch.device,
-                      programs_per_sm: float) -> int:
-    """Partitions so that ``programs`` * splits reaches programs_per_sm * SMs (1 if it already does)."""
+                      programs_per_sm: float, saturated_per_sm: float | None = None) -> int:
+    """Partitions so that ``programs`` * splits reaches programs_per_sm * SMs; 1 when it
+    already does, or when ``programs`` alone reach saturated_per_sm * SMs."""
+    if saturated_per_sm is not None and programs >= saturated_per_sm * _num_sms(device):
+        return 1
     wanted = triton.cdiv(int(programs_per_sm * _num_sms(device)), programs)
     return max(1, min(wanted, MAX_SPLITS, triton.cdiv(max_context, MIN_PARTITION)))
 
@@ -58,13 +61,13 @@ def empty_partials(rows: int, heads: int, num_splits: int, head_dim: int,
 
 
 def plan_splits(out: torch.Tensor, programs: int, max_context: int, tile_n: int,
-                num_splits: int | None, programs_per_sm: int):
+                num_splits: int | None, programs_per_sm: float, saturated_per_sm: float | None = None):
     """(num_splits, partition, part_acc, part_max, part_sum) for an attention launch whose
     output ``out`` is [rows, heads, head_dim] and whose grid has ``programs`` programs
-    before splitting. num_splits None picks one from the shapes; with one split the
-    partials are unused placeholders (``out`` itself)."""
+    before splitting. num_splits None picks one from the shapes (``choose_num_splits``);
+    with one split the partials are unused placeholders (``out`` itself)."""
     if num_splits is None:
-        num_splits = choose_num_splits(programs, max_context, out.device, programs_per_sm)
+        num_splits = choose_num_splits(programs, max_context, out.device, programs_per_sm, saturated_per_sm)
     partition = partition_size(max_context, num_splits, tile_n)
     num_splits = triton.cdiv(max_context, partition)
     if num_splits == 1:

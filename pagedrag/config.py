@@ -45,6 +45,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
     enforce_eager: bool = False  # True: no CUDA graphs
+    async_scheduling: bool | None = None  # None: on for CUDA, off for CPU (see LLMEngine.step)
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -96,6 +97,13 @@ class EngineArgs:
         if dtype is None:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return dtype
+
+    def resolved_async_scheduling(self, device: torch.device) -> bool:
+        """Whether a step's tokens are read back during the next step: by default only on
+        CUDA, where the device works while the host does the bookkeeping."""
+        if self.async_scheduling is None:
+            return device.type == "cuda"
+        return self.async_scheduling
 
     def resolved_max_num_batched_tokens(self, max_model_len: int, device: torch.device) -> int:
         """The per-step token budget; without chunked prefill it must hold a whole prompt.

@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -20,12 +21,23 @@ from .outputs import RequestOutput
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .worker.kv_cache import CacheShape, KVCacheTensors, available_cpu_memory, log_pool
-from .worker.model_runner import ModelRunner
-from .worker.sampler import Sampler, SamplingBatch
+from .worker.model_runner import ModelRunner, PendingTokens
+from .worker.sampler import HostSamples, Sampler, SamplingBatch
+from .worker.transfer import host_to_device
 
 logger = logging.getLogger("pagedrag")
 
 PromptType = str | Sequence[int] | Mapping
+
+
+@dataclass
+class InflightSamples:
+    """A step's sampled tokens, on the device and on their way to the host: row i
+    belongs to sequences[i], whose ``num_pending_tokens`` is 1 until it is read."""
+
+    sequences: list[Request]
+    pending: PendingTokens
+    host: HostSamples
 
 
 class LLMEngine:
@@ -51,7 +63,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs,
                                    args.resolved_max_num_batched_tokens(self.max_model_len, self.device),
-                                   args.enable_chunked_prefill, args.preemption_mode)
+                                   args.enable_chunked_prefill, args.preemption_mode, self.max_model_len)
         from . import kernels
         cache = KVCacheTensors(self.shape, self.num_blocks, num_cpu_blocks, self.device,
                                kernels.ops_for(self.device))
@@ -59,6 +71,8 @@ class LLMEngine:
         if self.device.type == "cuda" and not args.enforce_eager:
             self.runner.capture_graphs(args.max_num_seqs, self.max_model_len)
         self.sampler = Sampler()
+        self.async_scheduling = args.resolved_async_scheduling(self.device)
+        self._inflight: InflightSamples | None = None
         self.stop_policy = StopPolicy(self.eos_token_ids, self.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
         self.metrics = EngineMetrics(self.model_name)
@@ -167,7 +181,7 @@ class LLMEngine:
         self._observe_pool()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def cached_prefix_len(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
         """How many leading prompt tokens are in the prefix cache now (no side effects)."""
@@ -179,40 +193,60 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return the outputs of requests that moved.
+        """Schedule, launch the model once, sample, and return the outputs of requests that moved.
 
-        The sampling parameters go to the device before the forward pass is launched, and
-        the bookkeeping of computed tokens runs while the device works: on a GPU the
-        step waits on the device once, when the sampled tokens come back.
+        With asynchronous scheduling (the default on CUDA) the tokens sampled by a step stay
+        on the device until the next ``step()``: it schedules and launches its model pass
+        first (decodes take their input tokens on the device), and only then waits for
+        the previous step's tokens and turns them into outputs, so the host's bookkeeping
+        overlaps the device's work. Outputs then arrive one step late, and a request that
+        stops computes one token more, which is dropped. Without it (the default on CPU,
+        where nothing would overlap) each step returns its own tokens.
         """
+        previous, self._inflight = self._inflight, None
         step = self.scheduler.schedule()
         tables = [self.kv.block_ids(item.request) for item in step.scheduled]
-        plan = self._plan_sampling(step)
-        batch = self._sampling_batch(plan) if plan else None
-        rows = torch.tensor([row for *_, row in plan], device=self.device)
-        logits = self.runner.execute(step, tables)
+        logits = self.runner.execute(step, tables, previous.pending if previous else None)
+        completing = [item.request for item in step.scheduled if item.completes_sequence]
         for item in step.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_blocks(item.request)
+        touched = self._complete(previous) if previous else set()
+        self._inflight = self._launch_sampling(completing, logits)
+        if self._inflight is not None and not self.async_scheduling:
+            touched |= self._complete(self._inflight)
+            self._inflight = None
+        self._observe(step)
+        return [self._output(group_id) for group_id in touched if group_id in self.groups]
+
+    def _launch_sampling(self, completing: list[Request], logits: torch.Tensor) -> InflightSamples | None:
+        """Sample on the device for the requests whose every token got KV this step (row i of
+        logits is completing[i]) and start copying the tokens back."""
+        plan = self._plan_sampling(completing)
+        if not plan:
+            return None
+        batch = self._sampling_batch(plan)
+        rows = host_to_device([row for *_, row in plan], torch.int64, self.device)
         sequences = [self._fork(parent, index, generator) if index else parent
                      for parent, index, generator, _ in plan]
-        touched = self._sample(logits[rows], sequences, batch) if plan else set()
-        self._observe(step)
-        return [self._output(group_id) for group_id in touched]
+        sampled = self.sampler(logits[rows], batch)
+        for seq in sequences:
+            seq.num_pending_tokens = 1
+        pending = PendingTokens(sampled.token_ids, {seq.request_id: i for i, seq in enumerate(sequences)})
+        return InflightSamples(sequences, pending, sampled.copy_to_host())
 
-    def _plan_sampling(self, step: SchedulerOutput) -> list[tuple[Request, int, torch.Generator | None, int]]:
+    def _plan_sampling(self, completing: list[Request]) -> list[tuple[Request, int, torch.Generator | None, int]]:
         """(request, completion index, its RNG, logits row) of every sequence that samples this
-        step; index > 0 marks an n > 1 sibling to fork off a prompt computed this step."""
-        plan, row = [], 0
-        for item in step.scheduled:
-            if not item.completes_sequence:
+        step; index > 0 marks an n > 1 sibling to fork off a prompt computed this step. A
+        request that finished meanwhile (asynchronous scheduling) keeps its row unsampled."""
+        plan = []
+        for row, request in enumerate(completing):
+            if request.is_finished:
                 continue
-            request = item.request
             plan.append((request, 0, request.generator, row))
             for index in range(request.params.n - request.pending_forks, request.params.n):
                 plan.append((request, index, self._generator(request.params, index), row))
             request.pending_forks = 0
-            row += 1
         return plan
 
     def _sampling_batch(self, plan) -> SamplingBatch:
@@ -233,14 +267,18 @@ class LLMEngine:
         group.texts[child.request_id] = new_sequence_text(self.tokenizer, child)
         return child
 
-    def _sample(self, logits: torch.Tensor, sequences: list[Request], batch: SamplingBatch) -> set[str]:
-        """Sample row i of logits for sequences[i] (one device-to-host copy), then update them."""
-        samples = self.sampler(logits, batch).to_host()
-        for seq, sample in zip(sequences, samples):
+    def _complete(self, inflight: InflightSamples) -> set[str]:
+        """Wait for a step's sampled tokens and update their sequences (skipping those that
+        ended meanwhile: aborted); returns the groups that moved."""
+        moved = set()
+        for seq, sample in zip(inflight.sequences, inflight.host.result()):
+            if seq.is_finished:
+                continue
             seq.append_token(sample.token_id)
             record_logprobs(seq, sample)
             self._after_token(seq)
-        return {seq.group_id for seq in sequences}
+            moved.add(seq.group_id)
+        return moved
 
     def _after_token(self, seq: Request) -> None:
         self._observe_latency(seq)

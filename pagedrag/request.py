@@ -33,8 +33,14 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """Invariant: 0 <= num_computed_tokens <= len(token_ids); the KV of
-    token_ids[:num_computed_tokens] is in this request's blocks."""
+    """Invariant: 0 <= num_computed_tokens <= num_tokens; the KV of the first
+    num_computed_tokens tokens is in this request's blocks.
+
+    With asynchronous scheduling a sampled token can still be on the device when
+    the next step is scheduled: it counts in ``num_tokens`` (so the scheduler gives
+    the request its decode) but is not yet in ``token_ids``; ``num_pending_tokens``
+    (0 or 1) says so, and ``append_token`` resolves it.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -53,6 +59,7 @@ class Request:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
+    num_pending_tokens: int = 0  # sampled on the device, not yet read back (async scheduling)
     pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
@@ -69,7 +76,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus the one still on the device, if any."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -84,7 +92,9 @@ class Request:
         return self.status.finished
 
     def append_token(self, token_id: int) -> None:
+        """Add a sampled token (resolving the pending one, if there is one)."""
         self.token_ids.append(token_id)
+        self.num_pending_tokens = max(self.num_pending_tokens - 1, 0)
         self.update_block_hashes()
 
     def update_block_hashes(self) -> None:

@@ -1,6 +1,7 @@
 """Token-for-token equality with HF transformers' greedy generate on the same weights:
 batched with mixed lengths, prefix caching on and off, a fully cached second pass,
-chunked prefill, preemption (recompute and swap), n > 1."""
+chunked prefill, preemption (recompute and swap), n > 1; each with the engine's
+synchronous and asynchronous scheduling."""
 
 import importlib.util
 
@@ -43,9 +44,19 @@ def tiny(request, tmp_path_factory):
     return path, prompts, hf_greedy(path, prompts)
 
 
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])
+def scheduling(request, monkeypatch):
+    """Run every test with each scheduling mode (make_llm reads it)."""
+    monkeypatch.setitem(ENGINE_DEFAULTS, "async_scheduling", request.param)
+
+
+ENGINE_DEFAULTS: dict = {}
+
+
 def make_llm(path, **engine_kwargs) -> LLM:
     """An engine whose KV pool starts full of NaN, so that reading any slot that was
     never written (a stale or padded row) shows up as wrong tokens, not luck."""
+    engine_kwargs = {**ENGINE_DEFAULTS, **engine_kwargs}
     engine_kwargs.setdefault("num_gpu_blocks_override", 256)
     engine_kwargs.setdefault("dtype", "float32")  # as HF's reference; also on a GPU
     engine_kwargs.setdefault("max_num_seqs", 16)  # few CUDA graphs to capture on a GPU

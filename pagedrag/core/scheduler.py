@@ -1,7 +1,8 @@
 """Continuous batching: which requests run this step, and with how many tokens.
 
 Each step the scheduler
-1. gives every running request its next tokens (one for a decode, a chunk for a
+1. gives every running request its next tokens (none to a request whose in-flight
+   sampled token is certainly its last, see ``_ends_with_pending_token``) (one for a decode, a chunk for a
    prefill in progress), oldest first, within the token budget; when the pool
    is short it preempts the newest running request (recompute: free its blocks,
    keeping their hashes; swap: move them to CPU memory);
@@ -46,8 +47,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, preemption_mode: str = "recompute"):
+                 enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
+                 max_model_len: int | None = None):
         self.kv = kv
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -100,7 +103,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._chunk(request, budget)
+            num_new = 0 if self._ends_with_pending_token(request) else self._chunk(request, budget)
             if num_new == 0:
                 index += 1
                 continue
@@ -114,6 +117,16 @@ class Scheduler:
                 budget -= num_new
                 index += 1
         return budget
+
+    def _ends_with_pending_token(self, request: Request) -> bool:
+        """True when the token still on the device (asynchronous scheduling) is certainly the
+        request's last (max_tokens or max_model_len reached): it ends once that token is read,
+        so computing past it would only be thrown away."""
+        if not request.num_pending_tokens:
+            return False
+        max_tokens = request.params.max_tokens
+        return ((max_tokens is not None and request.num_tokens - request.num_prompt_tokens >= max_tokens)
+                or (self.max_model_len is not None and request.num_tokens >= self.max_model_len))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)

@@ -5,6 +5,10 @@ input_ids and positions packed request after request, each token's cache slot
 (slot_mapping), the block tables, the context lengths after the step, and the
 packed offsets (query_start_loc). Logits are computed only at the last token of
 requests whose every token has KV after the step (those sample).
+
+Nothing here waits for the device: the inputs go over in two non-blocking copies,
+and a decode whose input token is still on the device (sampled by the previous
+step, not yet read back) takes it from there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from ..core.scheduler import SchedulerOutput
 from ..models.attention import AttentionMetadata
 from .cuda_graphs import StepGraphs
 from .kv_cache import KVCacheTensors
+from .transfer import host_to_device
 
 
 @dataclass
@@ -28,9 +33,47 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the hidden states whose logits are needed
 
 
+@dataclass
+class PendingTokens:
+    """The previous step's sampled tokens, still on the device: row ``rows[request_id]``
+    of ``token_ids`` is that request's pending token."""
+
+    token_ids: torch.Tensor  # [N] int64, on the device
+    rows: dict[str, int]
+
+
+def _pending_source(pending: PendingTokens | None, item) -> int:
+    """The row of ``pending`` that holds the input token of ``item``, a one-token decode."""
+    request = item.request
+    if pending is None or item.num_new_tokens != 1 or request.request_id not in pending.rows:
+        raise RuntimeError(f"request {request.request_id!r} is scheduled past its known tokens "
+                           "without a pending sampled token to feed")
+    return pending.rows[request.request_id]
+
+
 def _pad_rows(rows: list[list[int]]) -> list[list[int]]:
     width = max(len(row) for row in rows)
     return [row + [0] * (width - len(row)) for row in rows]
+
+
+def _split_on_device(columns: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Several integer lists moved to the device in one copy, as views of one tensor."""
+    flat = host_to_device([v for column in columns for v in column], dtype, device)
+    return list(flat.split([len(column) for column in columns]))
+
+
+def _store_weights_column_major(model: torch.nn.Module) -> None:
+    """Keep every projection matrix (and the embedding, which the tied LM head reads)
+    column-major: same shapes and values, transposed strides.
+
+    On CPU a decode step multiplies one row per sequence by each matrix; the BLAS
+    matrix-vector product streams a column-major matrix markedly faster (about 25%
+    less time a token at batch 1 on SmolLM2), while large prefill products run at
+    the same speed in either layout.
+    """
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            module.weight.data = module.weight.data.t().contiguous().t()
 
 
 class ModelRunner:
@@ -42,6 +85,8 @@ class ModelRunner:
         self.device = device
         self.ops = kernels.ops_for(device)
         self.graphs: StepGraphs | None = None
+        if device.type == "cpu":
+            _store_weights_column_major(model)
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture CUDA graphs of decode steps (up to max_batch sequences) and of small
@@ -51,14 +96,24 @@ class ModelRunner:
                                  max_blocks, self.device)
         self.graphs.capture()
 
-    def prepare(self, step: SchedulerOutput, block_tables: list[list[int]]) -> StepInputs:
-        """Pack the step's tokens; block_tables[i] is the table of step.scheduled[i]."""
+    def prepare(self, step: SchedulerOutput, block_tables: list[list[int]],
+                pending: PendingTokens | None = None) -> StepInputs:
+        """Pack the step's tokens; block_tables[i] is the table of step.scheduled[i].
+
+        A request whose last token is still on the device (asynchronous scheduling)
+        decodes it: its input id is copied on the device from ``pending``.
+        """
         input_ids, positions, slots, context_lens, starts, logits_rows = [], [], [], [], [0], []
+        pending_rows, pending_sources = [], []
         for item, table in zip(step.scheduled, block_tables):
             request = item.request
             begin = request.num_computed_tokens
             end = begin + item.num_new_tokens
-            input_ids.extend(request.token_ids[begin:end])
+            known = request.token_ids[begin:end]
+            if len(known) < item.num_new_tokens:  # its pending token: filled in on the device
+                pending_rows.append(len(input_ids))
+                pending_sources.append(_pending_source(pending, item))
+            input_ids.extend(known + [0] * (item.num_new_tokens - len(known)))
             positions.extend(range(begin, end))
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size
                          for p in range(begin, end))
@@ -66,24 +121,32 @@ class ModelRunner:
             starts.append(starts[-1] + item.num_new_tokens)
             if item.completes_sequence:
                 logits_rows.append(starts[-1] - 1)
-        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
+        longs = _split_on_device([input_ids, positions, slots, logits_rows, pending_rows, pending_sources],
+                                 torch.int64, self.device)
+        tables = _pad_rows(block_tables)
+        ints = _split_on_device([context_lens, starts, [b for row in tables for b in row]],
+                                torch.int32, self.device)
+        input_ids_t, positions_t, slots_t, logits_rows_t, pending_rows_t, pending_sources_t = longs
+        if pending_rows:
+            input_ids_t.index_copy_(0, pending_rows_t, pending.token_ids.index_select(0, pending_sources_t))
         meta = AttentionMetadata(
-            slot_mapping=as_tensor(slots, torch.int64),
-            block_tables=as_tensor(_pad_rows(block_tables), torch.int32),
-            context_lens=as_tensor(context_lens, torch.int32),
-            query_start_loc=as_tensor(starts, torch.int32),
+            slot_mapping=slots_t,
+            block_tables=ints[2].view(len(tables), -1),
+            context_lens=ints[0],
+            query_start_loc=ints[1],
             decode_only=all(item.num_new_tokens == 1 for item in step.scheduled),
             ops=self.ops)
-        return StepInputs(as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64),
-                          meta, as_tensor(logits_rows, torch.int64))
+        return StepInputs(input_ids_t, positions_t, meta, logits_rows_t)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, block_tables: list[list[int]]) -> torch.Tensor:
-        """Apply the step's block moves, run the model, return logits [num_sampling, vocab]."""
+    def execute(self, step: SchedulerOutput, block_tables: list[list[int]],
+                pending: PendingTokens | None = None) -> torch.Tensor:
+        """Apply the step's block moves, launch the model, return logits [num_completing, vocab]:
+        one row per scheduled request whose every token has KV after the step, in order."""
         self.cache.apply(step.block_copies, step.swaps)
         if not step.scheduled:
             return torch.empty(0, device=self.device)
-        inputs = self.prepare(step, block_tables)
+        inputs = self.prepare(step, block_tables, pending)
         shape = None if self.graphs is None else self.graphs.shape_for(
             len(step.scheduled), step.num_tokens, inputs.meta.decode_only)
         if shape is not None:

@@ -16,7 +16,7 @@ Invariants:
 - A row's result depends only on its own logits, parameters and generator, never on
   its batch neighbours: neutral parameters (k = 0, p = 1, min_p = 0, penalties off)
   leave logits bit-identical, and a seeded row's noise comes from its generator only.
-- Nothing here copies from device to host; ``SamplerOutput.to_host`` does it once.
+- Nothing here copies from device to host; ``SamplerOutput.copy_to_host`` does it once.
 - The caller's logits tensor is never modified.
 
 Use per step: ``batch = SamplingBatch.from_params(...)`` (best before the forward pass
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedrag.sampling_params import SamplingParams
+from pagedrag.worker.transfer import host_to_device
 
 
 @dataclass
@@ -144,7 +145,7 @@ class Penalties:
 
 def _to_columns(rows: list[list[float]], device: torch.device | str) -> tuple[torch.Tensor, ...]:
     """The columns of a per-row table (N >= 1 rows) as float32 tensors [N] on device, in one copy."""
-    return torch.tensor(rows, dtype=torch.float32).to(device).unbind(1)
+    return host_to_device(rows, torch.float32, device).unbind(1)
 
 
 def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -175,7 +176,7 @@ def _min_tokens_ban(
         pairs.extend((row, token) for token in stops)
     if not pairs:
         return None
-    rows, tokens = torch.tensor(pairs, dtype=torch.long).to(device).unbind(1)
+    rows, tokens = host_to_device(pairs, torch.long, device).unbind(1)
     return rows, tokens
 
 
@@ -203,12 +204,45 @@ class SamplerOutput:
     num_logprobs: list[int]  # per row
 
     def to_host(self) -> list[Sample]:
-        """Copy everything to the host in a single transfer (float64 keeps ids exact)."""
+        """Copy everything to the host and wait for it."""
+        return self.copy_to_host().result()
+
+    def copy_to_host(self) -> HostSamples:
+        """Start copying everything to the host in one transfer (float64 keeps ids exact)."""
         columns = [self.token_ids.unsqueeze(1), self.logprobs.unsqueeze(1)]
         if self.top_token_ids is not None:
             columns += [self.top_token_ids, self.top_logprobs]
-        table = torch.cat([c.to(torch.float64) for c in columns], dim=1).tolist()
-        return [_row_sample(row, n) for row, n in zip(table, self.num_logprobs)]
+        return HostSamples.start(torch.cat([c.to(torch.float64) for c in columns], dim=1),
+                                 self.num_logprobs)
+
+
+@dataclass
+class HostSamples:
+    """A step's samples on their way to the host.
+
+    On CUDA the copy goes into pinned memory without blocking, and ``result`` waits
+    on an event recorded right after it: work queued on the device later (the next
+    step) does not delay the result. Elsewhere the copy is done at once.
+    """
+
+    table: torch.Tensor  # [N, 2 + 2k] float64 on the host, once ready
+    ready: torch.cuda.Event | None
+    num_logprobs: list[int]
+
+    @classmethod
+    def start(cls, table: torch.Tensor, num_logprobs: list[int]) -> HostSamples:
+        if table.device.type != "cuda":
+            return cls(table, None, num_logprobs)
+        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+        host.copy_(table, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(host, ready, num_logprobs)
+
+    def result(self) -> list[Sample]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return [_row_sample(row, n) for row, n in zip(self.table.tolist(), self.num_logprobs)]
 
 
 def _row_sample(row: list[float], num_logprobs: int) -> Sample:

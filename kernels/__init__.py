@@ -3,8 +3,8 @@
 ``ops_for(device)`` picks the implementation: Triton kernels on CUDA, the torch
 references on CPU. Both expose, with one signature each, the paged KV ops
 (store_kv, paged_decode_attention, prefix_prefill_attention, copy_blocks,
-swap_blocks) and the model's fused elementwise ops (rms_norm, rotary_embedding,
-silu_and_mul).
+swap_blocks), the model's fused elementwise ops (rms_norm, rotary_embedding,
+silu_and_mul) and its projections (linear).
 """
 
 from __future__ import annotations

@@ -19,11 +19,13 @@ import torch.nn.functional as F
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write K/V rows [T, kv_heads, head_dim] into their slots; slot -1 skips the row."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    if bool((slot_mapping < 0).any()):  # padded rows: keep the others
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    slots = slot_mapping.long()
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -134,22 +136,39 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """Rotate every head of q [T, Hq * head_dim] and k [T, Hk * head_dim] by its token's position.
 
     Neox layout (HF's rotate_half): x * cos + cat(-x2, x1) * sin per head, with
-    cos/sin = cat(freqs, freqs) rounded to q's dtype. cos_sin_cache [max_pos,
-    head_dim] float32 holds cos then sin (head_dim / 2 each) of position p in row
-    p; positions [T]. q and k may be row-strided views (last dim contiguous).
+    cos/sin = cat(freqs, freqs) rounded to q's dtype; computed half by half, which
+    rounds exactly as HF does (x1 * cos + (-x2) * sin == x1 * cos - x2 * sin).
+    cos_sin_cache [max_pos, head_dim] float32 holds cos then sin (head_dim / 2 each)
+    of position p in row p; positions [T]. q and k may be row-strided views (last dim contiguous).
     Returns the rotated (q, k): new tensors here, while the Triton version rotates
     in place and returns its inputs, so callers use the results and drop the inputs.
     """
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(q.dtype)
-    sin = torch.cat((sin, sin), dim=-1)[:, None, :].to(q.dtype)
+    half = head_dim // 2
+    cos_sin = cos_sin_cache.index_select(0, positions)[:, None, :]
+    cos, sin = cos_sin[..., :half].to(q.dtype), cos_sin[..., half:].to(q.dtype)
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # x1 * cos - x2 * sin | x2 * cos + x1 * sin
         heads = x.view(x.shape[0], -1, head_dim)
-        first, second = heads.chunk(2, dim=-1)
-        return (heads * cos + torch.cat((-second, first), dim=-1) * sin).flatten(1)
+        first, second = heads[..., :half], heads[..., half:]
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).flatten(1)
 
     return rotate(q), rotate(k)
+
+
+_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ weight [out, in].T (+ bias [out]): F.linear's result, to float rounding.
+
+    On CPU, float32 goes through oneDNN's matmul when torch has it. With the
+    column-major weights the CPU engine keeps, on a 2-core AMD EPYC (SmolLM2's
+    projections) it took half the time of the default BLAS path for 8-row decode
+    products, as long for one row, and 20% less for 700-row prefills.
+    """
+    if _ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

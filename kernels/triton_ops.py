@@ -73,8 +73,11 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, block_mapping:
         copy_blocks_between([src_cache], [dst_cache], block_mapping)
 
 
+# Projections are cuBLAS's (the reference's oneDNN route is for CPU).
+linear = torch.nn.functional.linear
+
 # The paged KV ops above, then the model's fused elementwise ops (one launch each,
-# same signatures and numerics as their references).
+# same signatures and numerics as their references), then the projections.
 __all__ = ["store_kv", "paged_decode_attention", "prefix_prefill_attention",
-           "copy_blocks", "swap_blocks", "rms_norm", "rotary_embedding", "silu_and_mul"]
+           "copy_blocks", "swap_blocks", "rms_norm", "rotary_embedding", "silu_and_mul", "linear"]
 

@@ -58,7 +58,7 @@ class PagedSequences:
             ops=ops_for("cpu"))
         with torch.no_grad():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden, meta.ops)
 
 
 def _paged_logits(model, seqs: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -104,7 +103,14 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear whose product runs through ``ops.linear`` (oneDNN on CPU, cuBLAS on CUDA)."""
+
+    def forward(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Several projections of one input stacked along the output dim (one GEMM).
 
     Shard i owns output rows [sum(shard_sizes[:i]), sum(shard_sizes[:i+1])).
@@ -183,7 +189,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], variant.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=variant.o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=variant.o_bias)
         if variant.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -192,13 +198,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.shard_sizes, dim=-1)
+        q, k, v = self.qkv_proj(hidden, meta.ops).split(self.qkv_proj.shard_sizes, dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim), ops=meta.ops).flatten(1)
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim), ops=meta.ops).flatten(1)
         q, k = meta.ops.rotary_embedding(q, k, positions, cos_sin_cache, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out)
+        return self.o_proj(out, meta.ops)
 
 
 class LlamaMLP(nn.Module):
@@ -210,10 +216,10 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; pagedrag supports 'silu'")
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], variant.mlp_bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=variant.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=variant.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, ops)), ops)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -292,7 +298,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> hidden states [T, hidden]; stores this step's K/V."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return ops.linear(hidden, weight).float()

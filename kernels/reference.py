@@ -43,26 +43,53 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     query [B, heads, head_dim]; block_tables [B, max_blocks] (int32, padded with
     any valid block id); context_lens [B] (int32, >= 1, the current token included).
-    Returns [B, heads, head_dim]. Computed in float32, sequence by sequence: each
-    gathers its own blocks whole (long contiguous copies) and keeps just its context
-    rows, so nothing is padded or masked, and the copy stays small enough for the
-    CPU caches.
+    Returns [B, heads, head_dim]. Computed in float32, sequence by sequence, reading
+    the cache in place: consecutive block ids are one contiguous view of the cache
+    (a request's blocks mostly come in a few such runs), so nothing is copied,
+    padded or masked.
     """
     out = torch.empty_like(query)
+    block_size = k_cache.shape[1]
     for b, length in enumerate(context_lens.tolist()):
-        out[b] = _attend_one(query[b], _gather_context(k_cache, block_tables[b], length),
-                             _gather_context(v_cache, block_tables[b], length), scale)
+        table = block_tables[b, :-(-length // block_size)].tolist()
+        runs = [(_view_rows(k_cache, first, count, rows), _view_rows(v_cache, first, count, rows))
+                for first, count, rows in _block_runs(table, block_size, length)]
+        out[b] = _attend_one(query[b], runs, scale)
     return out
 
 
-def _attend_one(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [heads, head_dim] over keys/values [n, kv_heads, head_dim] (GQA: query head h
-    reads kv head h // (heads / kv_heads)), in float32; returns query's shape and dtype."""
+def _block_runs(table: list[int], block_size: int, length: int) -> list[tuple[int, int, int]]:
+    """(first block id, number of blocks, rows used) of each run of consecutive ids in
+    ``table``, covering positions 0 .. length - 1 in order."""
+    runs, start = [], 0
+    for index in range(1, len(table) + 1):
+        if index == len(table) or table[index] != table[index - 1] + 1:
+            rows = min(index * block_size, length) - start * block_size
+            runs.append((table[start], index - start, rows))
+            start = index
+    return runs
+
+
+def _view_rows(cache: torch.Tensor, first: int, count: int, rows: int) -> torch.Tensor:
+    """Blocks first .. first + count - 1 of a cache as [rows, kv_heads, head_dim], no copy."""
+    return cache[first:first + count].flatten(0, 1)[:rows]
+
+
+def _attend_one(query: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]],
+                scale: float) -> torch.Tensor:
+    """query [heads, head_dim] over keys/values given as consecutive pieces (k, v), each
+    [n_i, kv_heads, head_dim] (GQA: query head h reads kv head h // (heads / kv_heads)),
+    in float32; returns query's shape and dtype."""
     num_heads, head_dim = query.shape
-    num_kv_heads = keys.shape[1]
+    num_kv_heads = runs[0][0].shape[1]
     grouped = query.view(num_kv_heads, num_heads // num_kv_heads, head_dim).float()
-    scores = torch.matmul(grouped, keys.permute(1, 2, 0).float()) * scale  # [kv_heads, group, n]
-    out = torch.matmul(scores.softmax(dim=-1), values.transpose(0, 1).float())
+    scores = torch.cat([torch.matmul(grouped, k.permute(1, 2, 0).float()) for k, _ in runs], dim=-1)
+    probs = (scores * scale).softmax(dim=-1)  # [kv_heads, group, n]
+    out, start = None, 0
+    for _, v in runs:
+        part = torch.matmul(probs[..., start:start + v.shape[0]], v.transpose(0, 1).float())
+        out = part if out is None else out.add_(part)
+        start += v.shape[0]
     return out.reshape(num_heads, head_dim).to(query.dtype)
 
 

@@ -19,9 +19,9 @@ Invariants:
 - Nothing here copies from device to host; ``SamplerOutput.copy_to_host`` does it once.
 - The caller's logits tensor is never modified.
 
-Use per step: ``batch = SamplingBatch.from_params(...)`` (best before the forward pass
-is launched: its small host->device copies then need not wait for the model),
-``samples = Sampler()(logits, batch).to_host()``.
+Use per step: ``batch = SamplingBatch.from_params(...)`` (its small host->device copies
+are non-blocking on CUDA), ``samples = Sampler()(logits, batch).to_host()``, or
+``.copy_to_host()`` to read the samples later without waiting for newer device work.
 """
 
 from __future__ import annotations

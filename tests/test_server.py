@@ -35,8 +35,10 @@ LONG_PREFIX = ("You answer questions about the solar system using only the conte
 
 @pytest.fixture(scope="module")
 def engine():
+    """With asynchronous scheduling, as on CUDA (outputs a step late, aborts with a token in
+    flight); the CPU default (synchronous) serves the integration and load tests."""
     engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs(max_model_len=512, num_gpu_blocks_override=128, max_num_seqs=16, seed=0))
+        EngineArgs(max_model_len=512, num_gpu_blocks_override=128, max_num_seqs=16, seed=0, async_scheduling=True))
     yield engine
     engine.shutdown()
 

@@ -1,8 +1,7 @@
 """Continuous batching: which requests run this step, and with how many tokens.
 
 Each step the scheduler
-1. gives every running request its next tokens (none to a request whose in-flight
-   sampled token is certainly its last, see ``_ends_with_pending_token``) (one for a decode, a chunk for a
+1. gives every running request its next tokens (one for a decode, a chunk for a
    prefill in progress), oldest first, within the token budget; when the pool
    is short it preempts the newest running request (recompute: free its blocks,
    keeping their hashes; swap: move them to CPU memory);
@@ -10,6 +9,8 @@ Each step the scheduler
    requests in arrival order (FCFS: a request that does not fit blocks those
    behind it, so none starves) while seats (max_num_seqs) and budget remain.
 A prompt longer than the remaining budget is split over steps (chunked prefill).
+A request whose in-flight sampled token (asynchronous scheduling) is certainly its
+last gets no tokens: it ends once that token is read (``_ends_with_pending_token``).
 """
 
 from __future__ import annotations

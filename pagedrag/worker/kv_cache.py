@@ -11,6 +11,7 @@ import torch
 
 from ..config import GIB_BYTES
 from ..core.kv_cache_manager import SwapPlan
+from .transfer import host_to_device
 
 logger = logging.getLogger("pagedrag")
 
@@ -57,7 +58,7 @@ class KVCacheTensors:
         self._swap(swaps.out, self.device_layers, self.cpu_layers)
         self._swap(swaps.into, self.cpu_layers, self.device_layers)
         if copies:
-            mapping = torch.tensor(copies, dtype=torch.int64)
+            mapping = host_to_device(copies, torch.int64, self.device_layers[0][0].device)
             self.ops.copy_blocks([k for k, _ in self.device_layers],
                                  [v for _, v in self.device_layers], mapping)
 

@@ -150,12 +150,11 @@ def _to_columns(rows: list[list[float]], device: torch.device | str) -> tuple[to
 
 def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[N, V] float32 occurrence counts of each row's token ids (one host->device copy)."""
-    lengths = torch.tensor([len(ids) for ids in token_ids])
-    rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
-    flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.long)
-    index = torch.stack([rows, flat]).to(device)
+    rows = [row for row, ids in enumerate(token_ids) for _ in ids]
+    flat = [t for ids in token_ids for t in ids]
+    index = host_to_device([rows, flat], torch.long, device)
     counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)
-    ones = torch.ones(flat.numel(), dtype=torch.float32, device=device)
+    ones = torch.ones(len(flat), dtype=torch.float32, device=device)
     return counts.index_put_(tuple(index), ones, accumulate=True)
 
 

@@ -19,23 +19,22 @@ from collections.abc import Callable
 from typing import Any
 
 from .config import EngineArgs
-from .engine import LLMEngine, PromptType
+from .engine import LLMEngine
+from .inputs import InputProcessor, ProcessedPrompt, PromptType
 from .outputs import RequestOutput
+from .recovery import EngineDeadError, RequestFailedError
 from .sampling_params import SamplingParams
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestFailedError", "RequestStream"]
+# Threads that tokenize prompts (each with its own tokenizer copy), off the engine thread
+# and off the caller's event loop; more would only compete for the cores the steps use.
+NUM_INPUT_THREADS = 2
 
 logger = logging.getLogger("pagedrag")
 
 
 def _STOP() -> None:
     """The marker command that ends the engine thread (compared by identity, never run)."""
-
-
-class EngineStepError(RuntimeError):
-    """An engine step failed while this request was in flight; the request was aborted."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine cannot take requests any more (shut down, or broken by a failed step)."""
 
 
 class _Mailbox:
@@ -50,6 +49,7 @@ class _Mailbox:
         self._loop = loop
         self._item: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
+        self.closed = False  # the caller gave up on the request (read on the engine thread)
 
     def post(self, item: RequestOutput | BaseException) -> None:
         """Thread-safe; a mailbox whose event loop has closed drops the item."""
@@ -107,6 +107,7 @@ class RequestStream:
     async def aclose(self) -> None:
         if not self._done:
             self._done = True
+            self._mailbox.closed = True
             self._owner._abort_later(self.request_id, self._mailbox)
 
 
@@ -131,6 +132,9 @@ class AsyncLLMEngine:
         self._num_in_flight = 0
         self._closed = False
         self._dead_reason: str | None = None  # set on the engine thread only
+        self._input_template = engine.inputs.copy()  # copied again by each input thread; never used itself
+        self._inputs = threading.local()  # each input thread's own InputProcessor copy
+        self._input_pool = concurrent.futures.ThreadPoolExecutor(NUM_INPUT_THREADS, "pagedrag-inputs")
         self._thread = threading.Thread(target=self._run, name="pagedrag-engine", daemon=True)
         self._thread.start()
 
@@ -154,8 +158,10 @@ class AsyncLLMEngine:
                  ) -> "RequestStream":
         """Queue a request now and return its outputs (cumulative) as an async iterator.
 
-        Call from a running event loop. The iterator raises what went wrong: ValueError /
-        TypeError for bad input (nothing was queued), EngineStepError, EngineDeadError.
+        Call from a running event loop. The prompt is tokenized and checked on an input
+        thread, never on the engine thread. The iterator raises what went wrong: ValueError /
+        TypeError for bad input (nothing was queued), RequestFailedError (a step failed in a
+        way traced to this request), EngineDeadError.
         Cancelling it, or closing it (``aclose()``) before the finished output, aborts the
         request; a stream that is merely dropped runs to its end in the engine.
         """
@@ -163,12 +169,58 @@ class AsyncLLMEngine:
         mailbox = _Mailbox(asyncio.get_running_loop())
         with self._lock:
             self._num_in_flight += 1
+        if isinstance(prompt, ProcessedPrompt) and cache_salt is None:  # checked already: queue it now
+            self._queue_add(request_id, lambda: prompt, params, mailbox)
+            return RequestStream(self, request_id, mailbox)
         try:
-            self._enqueue(lambda: self._add(request_id, prompt, params, cache_salt, mailbox))
-        except EngineDeadError as error:
+            prepared = self._input_pool.submit(self._prepare, prompt, params, cache_salt)
+        except RuntimeError:  # the pool has shut down
             self._leave()
-            mailbox.post(error)
+            mailbox.post(EngineDeadError("the engine has shut down"))
+        else:
+            prepared.add_done_callback(lambda done: self._queue_add(request_id, done.result, params, mailbox))
         return RequestStream(self, request_id, mailbox)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ValueError / TypeError for sampling parameters this engine cannot run."""
+        self._input_template.check_params(params)
+
+    async def preprocess(self, fn: Callable[[InputProcessor], Any]) -> Any:
+        """``fn(inputs)`` on an input thread, with that thread's own InputProcessor: for work
+        that grows with the input (chat templates, tokenizing), off the event loop and off
+        the engine thread."""
+        return await asyncio.wrap_future(self._input_pool.submit(lambda: fn(self._thread_inputs())))
+
+    def _prepare(self, prompt: PromptType, params: SamplingParams | None, cache_salt: str | None
+                 ) -> ProcessedPrompt:
+        """Tokenize and check on an input thread (a long prompt never stalls a step)."""
+        inputs = self._thread_inputs()
+        if params is not None:
+            inputs.check_params(params)
+        return inputs.process(prompt, cache_salt)
+
+    def _thread_inputs(self) -> InputProcessor:
+        """This input thread's own copy of the engine's InputProcessor."""
+        inputs = getattr(self._inputs, "processor", None)
+        if inputs is None:
+            inputs = self._inputs.processor = self._input_template.copy()
+        return inputs
+
+    def _queue_add(self, request_id: str, prompt: Callable[[], ProcessedPrompt],
+                   params: SamplingParams | None, mailbox: _Mailbox) -> None:
+        """Queue the processed prompt (``prompt()`` raises if processing failed), or hand the
+        error to the caller."""
+        try:
+            processed = prompt()
+            self._enqueue(lambda: self._add(request_id, processed, params, None, mailbox))
+        except Exception as failure:
+            self._leave()
+            mailbox.post(failure)
+
+    def abort_all(self, reason: str) -> None:
+        """End every request in flight now, from any thread: each gets a finished output with
+        finish_reason "abort" (streams end normally). ``reason`` is logged."""
+        self._enqueue(lambda: self._abort_all(reason))
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the engine thread between steps (e.g. ``engine.stats``)."""
@@ -195,6 +247,7 @@ class AsyncLLMEngine:
                 return
             self._closed = True
             self._commands.put(_STOP)
+        self._input_pool.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout)
 
     def _enqueue(self, command: Callable[[], None]) -> None:
@@ -246,6 +299,9 @@ class AsyncLLMEngine:
 
     def _add(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
              cache_salt: str | None, mailbox: _Mailbox) -> None:
+        if mailbox.closed:  # aborted before it was queued
+            self._leave()
+            return
         try:
             if self._dead_reason is not None:
                 raise EngineDeadError(self._dead_reason)
@@ -264,11 +320,14 @@ class AsyncLLMEngine:
             self.engine.abort_request(request_id)
 
     def _step(self) -> None:
+        """One engine step. A step error that escapes the engine means the device or model is
+        broken (the engine fails only the traced requests for any other): it is dead."""
         try:
             outputs = self.engine.step()
         except Exception as error:
-            logger.exception("engine step failed; failing the %d requests in flight", len(self._mailboxes))
-            self._fail_in_flight(EngineStepError(f"the engine step failed: {error!r}; the request was aborted"))
+            logger.exception("the engine is dead; failing the %d requests in flight", len(self._mailboxes))
+            self._dead_reason = f"the engine failed: {error}"
+            self._fail_in_flight(EngineDeadError(self._dead_reason))
             return
         for output in outputs:
             self._deliver(output)
@@ -280,7 +339,16 @@ class AsyncLLMEngine:
         if output.finished:
             del self._mailboxes[output.request_id]
             self._leave()
-        mailbox.post(output)
+        mailbox.post(RequestFailedError(output.error) if output.error else output)
+
+    def _abort_all(self, reason: str) -> None:
+        """Abort every request in flight; each mailbox gets the request's final output."""
+        if self._mailboxes:
+            logger.warning("aborting %d requests in flight: %s", len(self._mailboxes), reason)
+        for request_id in list(self._mailboxes):
+            output = self.engine.abort_request(request_id)
+            if output is not None:
+                self._deliver(output)
 
     def _fail_in_flight(self, error: Exception) -> None:
         """Fail and abort every request in flight; an engine that cannot abort is dead."""

@@ -58,12 +58,10 @@ def _round(llm: "LLM", live: list[list[BeamSearchSequence]], salts: list[str | N
 def run_beam_search(llm: "LLM", prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
     engine = llm.llm_engine
     eos = set() if params.ignore_eos else engine.eos_token_ids
-    tokenized = [engine.tokenize_prompt(p) for p in prompts]
-    for _, ids, _ in tokenized:
-        engine.validate_prompt(ids)
-    prompt_lens = [len(ids) for _, ids, _ in tokenized]
-    salts = [salt for _, _, salt in tokenized]
-    live = [[BeamSearchSequence(list(ids))] for _, ids, _ in tokenized]
+    processed = [engine.inputs.process(p) for p in prompts]
+    prompt_lens = [len(p.token_ids) for p in processed]
+    salts = [p.cache_salt for p in processed]
+    live = [[BeamSearchSequence(list(p.token_ids))] for p in processed]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     for _ in range(params.max_tokens):
         if not any(live):

@@ -22,7 +22,6 @@ messages in the canonical layout and the token-budget rule for retrieved chunks.
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import json
 import queue
@@ -34,6 +33,7 @@ from typing import Any, TypeVar
 
 from .canonical import Chunk, PromptCanonicalizer, canonical_order
 from .config import EngineArgs
+from .inputs import ProcessedPrompt
 from .models.loader import EMBEDDED_NAME
 from .sampling_params import SamplingParams
 
@@ -290,19 +290,20 @@ class SharedEngine:
         from .async_engine import AsyncLLMEngine
 
         self.engine = AsyncLLMEngine.from_engine_args(args)
-        self.tokenizer = copy.deepcopy(self.engine.engine.tokenizer)
+        self.inputs = self.engine.engine.inputs.copy()
+        self.tokenizer = self.inputs.tokenizer
         self._tokenizer_lock = threading.Lock()
         self._pending: dict[asyncio.AbstractEventLoop, list] = {}  # per loop: submissions of this turn
 
-    def chat_prompt(self, messages: Messages) -> dict:
-        """The prompt dict (text and token ids) of a conversation, rendered by
-        ``pagedrag.llm.render_chat`` as ``LLM.chat`` renders it."""
-        from .llm import render_chat
-
+    def engine_prompt(self, prompt: "Prompt") -> ProcessedPrompt:
+        """Text, or a conversation rendered as ``LLM.chat`` renders it, tokenized and checked
+        here, so that what this loop turn submits reaches the engine in one step."""
         with self._tokenizer_lock:
-            return render_chat(self.tokenizer, messages)
+            if isinstance(prompt, str):
+                return self.inputs.process(prompt)
+            return self.inputs.render_chat(prompt)
 
-    async def submit(self, prompt: str | dict, params: SamplingParams, cache_salt: str | None):
+    async def submit(self, prompt: ProcessedPrompt, params: SamplingParams, cache_salt: str | None):
         """Queue a request at the end of this loop turn; its stream of RequestOutputs."""
         loop = asyncio.get_running_loop()
         pending = self._pending.get(loop)
@@ -369,7 +370,7 @@ class InProcessClient(EngineClient):
         from .server.choices import ChoiceCursor
 
         _check_single(params)
-        engine_prompt = prompt if isinstance(prompt, str) else self.shared.chat_prompt(prompt)
+        engine_prompt = self.shared.engine_prompt(prompt)
         cursor = ChoiceCursor(0, StopChecker(params.stop, params.include_stop_str_in_output))
         stream = await self.shared.submit(engine_prompt, params, cache_salt)
         try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,11 +12,13 @@ import torch
 from .config import DEFAULT_CPU_KV_FRACTION, GIB_BYTES, EngineArgs
 from .core.kv_cache_manager import KVCacheManager
 from .core.scheduler import Scheduler, SchedulerOutput
+from .inputs import InputProcessor, ProcessedPrompt, PromptType
 from .metrics import EngineMetrics
 from .models.loader import load_model
 from .output_processor import (RequestGroup, StopPolicy, mark_first_token, new_sequence_text,
                                record_logprobs, update_text)
 from .outputs import RequestOutput
+from .recovery import EngineDeadError, Probation, is_device_failure
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .worker.kv_cache import CacheShape, KVCacheTensors, available_cpu_memory, log_pool
@@ -27,7 +28,6 @@ from .worker.transfer import host_to_device
 
 logger = logging.getLogger("pagedrag")
 
-PromptType = str | Sequence[int] | Mapping
 
 
 @dataclass
@@ -56,6 +56,8 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.vocab_size = loaded.hf_config.vocab_size
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs)
+        self.default_params = SamplingParams()
         self.shape = CacheShape(loaded.module.num_layers, args.block_size, loaded.module.num_kv_heads,
                                 loaded.module.head_dim, self.dtype)
         self.num_blocks = self._plan_num_blocks()
@@ -73,6 +75,9 @@ class LLMEngine:
         self.sampler = Sampler()
         self.async_scheduling = args.resolved_async_scheduling(self.device)
         self._inflight: InflightSamples | None = None
+        self.probation = Probation()
+        self._suspects: set[str] = set()  # groups the running step touched (see recovery)
+        self._failed_outputs: list[RequestOutput] = []
         self.stop_policy = StopPolicy(self.eos_token_ids, self.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
         self.metrics = EngineMetrics(self.model_name)
@@ -107,61 +112,24 @@ class LLMEngine:
         return num_blocks
 
     # ---- requests -----------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
-        """(text, token ids, cache_salt) of a prompt given as text, token ids or a prompt dict."""
-        salt = None
-        if isinstance(prompt, Mapping):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
-            if unknown:
-                raise ValueError(f"unknown prompt keys {sorted(unknown)}; use prompt, prompt_token_ids, cache_salt")
-            salt = prompt.get("cache_salt")
-            if salt is not None and not isinstance(salt, str):
-                raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
-            if "prompt_token_ids" in prompt:
-                text, ids, _ = self.tokenize_prompt(list(prompt["prompt_token_ids"]))
-                return prompt.get("prompt", text), ids, salt
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True), salt
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt), salt
-        raise ValueError(f"a prompt must be a string, a list of token ids or a prompt dict, got {type(prompt).__name__}")
-
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty: it must hold at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
-                "it must be shorter to leave room for at least one generated token")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> str:
-        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    def add_request(self, request_id: str | None, prompt: PromptType | ProcessedPrompt,
+                    params: SamplingParams | None = None, cache_salt: str | None = None) -> str:
+        """Validate and queue a request; raises ValueError / TypeError (nothing queued) on bad
+        input. A ProcessedPrompt (from ``inputs`` on another thread) is queued as it is."""
+        params = params or self.default_params
+        self.inputs.check_params(params)
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
-        text, token_ids, dict_salt = self.tokenize_prompt(prompt)
-        self.validate_prompt(token_ids)
-        request = Request(request_id, token_ids, params, self.args.block_size,
-                          cache_salt if cache_salt is not None else dict_salt,
-                          prompt=text, generator=self._generator(params, 0))
+        prompt = self.inputs.process(prompt, cache_salt)
+        request = Request(request_id, prompt.token_ids, params, self.args.block_size, prompt.cache_salt,
+                          prompt=prompt.text, generator=self._generator(params, 0))
         request.pending_forks = params.n - 1
-        group = RequestGroup(request_id, text, token_ids, params.n, [request])
+        group = RequestGroup(request_id, prompt.text, prompt.token_ids, params.n, [request])
         group.texts[request.request_id] = new_sequence_text(self.tokenizer, request)
         self.groups[request_id] = group
         self.scheduler.add(request)
-        self.metrics.prompt_tokens.inc(len(token_ids))
+        self.metrics.prompt_tokens.inc(len(prompt.token_ids))
         return request_id
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -170,15 +138,19 @@ class LLMEngine:
             return None
         return torch.Generator(self.device).manual_seed(params.seed + index)
 
-    def abort_request(self, request_id: str) -> None:
-        """End a request now (any of its sequences, wherever they are) and free its blocks."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now (any of its sequences, wherever they are) and free its blocks;
+        returns its final output (finish_reason "abort"), or None for an unknown id."""
         group = self.groups.pop(request_id, None)
         if group is None:
-            return
+            return None
         for seq in group.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
         self._observe_pool()
+        output = group.to_output()
+        output.finished = True
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -202,22 +174,94 @@ class LLMEngine:
         overlaps the device's work. Outputs then arrive one step late, and a request that
         stops computes one token more, which is dropped. Without it (the default on CPU,
         where nothing would overlap) each step returns its own tokens.
+
+        A step that raises fails only the requests it traces to (pagedrag.recovery): their
+        outputs come back finished, with ``error`` set. Raises EngineDeadError (or the device's
+        error) only when the device or the model is broken.
         """
+        probing = self.probation.head() if self.probation else None
+        try:
+            if probing is not None:
+                outputs = self._probe(probing)
+            else:
+                outputs = self._run_step(self.scheduler.schedule, self.async_scheduling)
+        except Exception as error:
+            outputs = self._recover(error, probing)
+        else:
+            self.probation.record(failed=False)
+        failed, self._failed_outputs = self._failed_outputs, []
+        return failed + outputs
+
+    def _run_step(self, schedule, asynchronous: bool) -> list[RequestOutput]:
         previous, self._inflight = self._inflight, None
-        step = self.scheduler.schedule()
+        self._suspects = {seq.group_id for seq in previous.sequences} if previous else set()
+        step = schedule()
+        self._suspects |= {item.request.group_id for item in step.scheduled}
+        self._suspects |= {request.group_id for request in step.preempted}
         tables = [self.kv.block_ids(item.request) for item in step.scheduled]
         logits = self.runner.execute(step, tables, previous.pending if previous else None)
         completing = [item.request for item in step.scheduled if item.completes_sequence]
         for item in step.scheduled:
             item.request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_blocks(item.request)
+            self._guarded(item.request.group_id, self.kv.cache_blocks, item.request)
         touched = self._complete(previous) if previous else set()
         self._inflight = self._launch_sampling(completing, logits)
-        if self._inflight is not None and not self.async_scheduling:
+        if self._inflight is not None and not asynchronous:
             touched |= self._complete(self._inflight)
             self._inflight = None
         self._observe(step)
         return [self._output(group_id) for group_id in touched if group_id in self.groups]
+
+    def _probe(self, group_id: str) -> list[RequestOutput]:
+        """One synchronous step of a group on probation, alone; it then rejoins the others."""
+        group = self.groups.get(group_id)
+        if group is None:  # aborted meanwhile
+            self.probation.release_head()
+            return []
+        outputs = self._run_step(lambda: self.scheduler.schedule_only(group.sequences), asynchronous=False)
+        self.probation.release_head()
+        return outputs
+
+    def _recover(self, error: Exception, probing: str | None) -> list[RequestOutput]:
+        """After a failed step: fail the group it traces to, or put its suspects on probation."""
+        if is_device_failure(error):
+            raise EngineDeadError(f"the device failed during a step: {error!r}") from error
+        self.probation.record(failed=True)
+        self._inflight = None  # its tokens belong to suspects, which start over
+        suspects = [g for g in self._suspects if g in self.groups] or list(self.groups)
+        if probing is not None:
+            self.probation.release_head()
+            suspects = [probing] if probing in self.groups else []
+        if len(suspects) == 1:
+            logger.error("an engine step failed; it traces to request %s alone, which is aborted",
+                         suspects[0], exc_info=error)
+            self._fail_group(suspects[0], error)
+        else:
+            logger.warning("an engine step with %d requests failed (%r); each runs one step alone "
+                           "to find the cause", len(suspects), error)
+            for group_id in suspects:
+                for seq in self.groups[group_id].sequences:
+                    if not seq.is_finished:
+                        self.scheduler.recompute(seq)
+            self.probation.add(suspects)
+        self._observe_pool()
+        return []
+
+    def _guarded(self, group_id: str, fn, *args) -> None:
+        """Run per-request work; an error in it fails that request alone."""
+        try:
+            fn(*args)
+        except Exception as error:
+            logger.error("request %s failed in a step and is aborted", group_id, exc_info=error)
+            self._fail_group(group_id, error)
+
+    def _fail_group(self, group_id: str, error: Exception) -> None:
+        """Abort every sequence of the group; its final output carries the error."""
+        output = self.abort_request(group_id)
+        if output is None:
+            return
+        output.error = f"the request failed in an engine step and was aborted: {error!r}"
+        self._failed_outputs.append(output)
 
     def _launch_sampling(self, completing: list[Request], logits: torch.Tensor) -> InflightSamples | None:
         """Sample on the device for the requests whose every token got KV this step (row i of
@@ -274,13 +318,13 @@ class LLMEngine:
         for seq, sample in zip(inflight.sequences, inflight.host.result()):
             if seq.is_finished:
                 continue
-            seq.append_token(sample.token_id)
-            record_logprobs(seq, sample)
-            self._after_token(seq)
+            self._guarded(seq.group_id, self._after_token, seq, sample)
             moved.add(seq.group_id)
         return moved
 
-    def _after_token(self, seq: Request) -> None:
+    def _after_token(self, seq: Request, sample) -> None:
+        seq.append_token(sample.token_id)
+        record_logprobs(seq, sample)
         self._observe_latency(seq)
         group = self.groups[seq.group_id]
         status = self.stop_policy.check_token(seq)

@@ -9,13 +9,12 @@ from tqdm.auto import tqdm
 
 from .beam_search import BeamSearchOutput, run_beam_search
 from .config import EngineArgs
-from .engine import LLMEngine, PromptType
+from .engine import LLMEngine
+from .inputs import Conversation, PromptType
 from .outputs import RequestOutput
 from .sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("pagedrag")
-
-Conversation = list[dict]
 
 
 class LLM:
@@ -60,7 +59,8 @@ class LLM:
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             **kwargs) -> dict:
         """A prompt dict (text and token ids) for one conversation."""
-        return render_chat(self.llm_engine.tokenizer, conversation, add_generation_prompt, **kwargs)
+        prompt = self.llm_engine.inputs.render_chat(conversation, add_generation_prompt, **kwargs)
+        return {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -88,6 +88,7 @@ class LLM:
             while len(done) < len(request_ids):
                 for output in engine.step():
                     if output.finished:
+                        _warn_if_failed(output)
                         done[output.request_id] = output
                         bar.update(1)
         except BaseException:
@@ -97,6 +98,12 @@ class LLM:
         finally:
             bar.close()
         return [done[request_id] for request_id in request_ids]
+
+
+def _warn_if_failed(output: RequestOutput) -> None:
+    """A request that failed alone comes back finished with an error; the others go on."""
+    if output.error:
+        logger.error("request %s: %s", output.request_id, output.error)
 
 
 def _as_prompt_list(prompts) -> list:
@@ -117,22 +124,3 @@ def _per_prompt(params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
     return params
-
-
-def render_chat(tokenizer, conversation: Conversation, add_generation_prompt: bool = True, **kwargs) -> dict:
-    """A prompt dict (text and token ids) for one conversation, through the chat template."""
-    _check_conversation(conversation)
-    if tokenizer is None:
-        raise ValueError("chat needs a tokenizer with a chat template, and this model has none")
-    text = tokenizer.apply_chat_template(
-        conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return {"prompt": text, "prompt_token_ids": ids}
-
-
-def _check_conversation(conversation: Conversation) -> None:
-    for message in conversation:
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(f"each chat message needs 'role' and 'content', got {message!r}")
-        if not isinstance(message["content"], str):
-            raise ValueError(f"chat message content must be a string, got {type(message['content']).__name__}")

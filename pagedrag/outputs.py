@@ -41,7 +41,11 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's state after an engine step; ``finished`` once every completion ended."""
+    """A request's state after an engine step; ``finished`` once every completion ended.
+
+    ``error`` is set (and ``finished`` true) when a step failed in a way traced to this
+    request, which was aborted; other requests went on.
+    """
 
     request_id: str
     prompt: str | None
@@ -51,3 +55,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+    error: str | None = None

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+from .text_checks import check_bool, check_float, check_int, check_utf8
+
+logger = logging.getLogger("pagedrag")
+
+# Limits on what one request may carry (vLLM-like; documented in the README).
+MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI and vLLM's default max_logprobs
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+GREEDY_TEMPERATURE = 1e-5  # below: greedy (vLLM's _SAMPLING_EPS)
+MIN_TEMPERATURE = 1e-2  # below, and above GREEDY_TEMPERATURE: raised to this (vLLM's _MAX_TEMP)
 
 
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request.
 
-    temperature == 0 is greedy decoding. ``seed`` makes a request's samples
+    temperature == 0 (or below GREEDY_TEMPERATURE) is greedy decoding. ``seed`` makes a request's samples
     independent of whatever else shares its batch. ``n`` completions are sampled
     per prompt; they fork the prompt's KV blocks (copy-on-write).
     """
@@ -37,9 +51,29 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        self._settle_temperature()
+
+    def _check_types(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            check_int(name, getattr(self, name))
+        for name in ("seed", "max_tokens", "logprobs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name))
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            check_float(name, getattr(self, name))
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            check_bool(name, getattr(self, name))
+        for token_id in self.stop_token_ids:
+            check_int("stop_token_ids", token_id)
+        for stop in self.stop:
+            if not isinstance(stop, str):
+                raise TypeError(f"stop must hold strings, got {type(stop).__name__}")
+            check_utf8("a stop string", stop)
 
     def _validate(self) -> None:
         checks = [
@@ -53,12 +87,34 @@ class SamplingParams:
             (0 < self.repetition_penalty <= 2, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
             (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
-            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must hold non-empty strings"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1),
+             f"seed must be in [{SEED_MIN}, {SEED_MAX}] for every one of the n={self.n} completions "
+             f"(completion i uses seed + i), got {self.seed}"),
+            (all(self.stop), "stop strings must not be empty"),
+            (len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"),
+            (all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+             f"a stop string may hold at most {MAX_STOP_STRING_CHARS} characters"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def _settle_temperature(self) -> None:
+        """Below GREEDY_TEMPERATURE sampling is greedy (a division by ~1e-40 would overflow
+        the logits to inf and sample noise); up to MIN_TEMPERATURE it is raised to that, as
+        vLLM does, with a warning."""
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
+        elif self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %g is below %g, which may overflow the logits; using %g",
+                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
 
     @property
     def greedy(self) -> bool:

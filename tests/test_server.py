@@ -4,6 +4,7 @@ on loopback (uvicorn in a thread), sharing one engine for the whole module."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import signal
@@ -238,7 +239,7 @@ def _assert_error(response: httpx.Response, status: int) -> dict:
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "word " * 600}, None),  # over max_model_len
+    ({"prompt": "word " * 600}, "prompt"),  # over max_model_len
     ({"prompt": "x", "temperature": -1}, None),
     ({"prompt": "x", "top_p": 0}, None),
     ({"prompt": "x", "n": "many"}, "n"),  # a pydantic validation error (FastAPI's 422)
@@ -246,7 +247,7 @@ def _assert_error(response: httpx.Response, status: int) -> dict:
     ({"prompt": "x", "echo": True}, None),
     ({"prompt": []}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
-    ({"prompt": [10 ** 9]}, None),  # a token id outside the vocabulary
+    ({"prompt": [10 ** 9]}, "prompt"),  # a token id outside the vocabulary
 ])
 def test_bad_completion_is_400(server, body, param):
     error = _assert_error(_post(server.base_url, "/v1/completions", body), 400)
@@ -322,40 +323,47 @@ def test_disconnect_before_response_aborts(open_server, engine):
     _wait_idle(engine, timeout=30)
 
 
-def test_step_failure_fails_requests_in_flight(server, client, engine):
-    """An exception inside step() fails the request with a clear error; the engine goes on."""
-    real_step = engine.engine.step
-    failed = threading.Event()
+def test_step_failure_fails_only_its_request(server, client, engine):
+    """A step that raises because of one request (here: its salt) gives that request a 500;
+    a stream running beside it completes unchanged, and the engine goes on."""
+    runner = engine.engine.runner
+    real_execute = runner.execute
 
-    def failing_step():
-        if not failed.is_set():
-            failed.set()
+    def execute(step, *args):
+        if any(item.request.cache_salt is not None and "poison" in item.request.cache_salt
+               for item in step.scheduled):
             raise RuntimeError("simulated kernel failure")
-        return real_step()
+        return real_execute(step, *args)
 
-    engine.engine.step = failing_step
+    expected = client.completions.create(prompt="Once upon a time", max_tokens=24, **_greedy()).choices[0].text
+    runner.execute = execute
     try:
-        error = _assert_error(_post(server.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 2}), 500)
-        assert "simulated kernel failure" in error["message"]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            canary = pool.submit(client.completions.create, prompt="Once upon a time", max_tokens=24, **_greedy())
+            time.sleep(0.2)
+            error = _assert_error(_post(server.base_url, "/v1/completions",
+                                        {"prompt": "x", "max_tokens": 2, "cache_salt": "poison"}), 500)
+            assert error["code"] == "request_failed" and "simulated kernel failure" in error["message"]
+            assert canary.result(timeout=120).choices[0].text == expected
     finally:
-        engine.engine.step = real_step
+        runner.execute = real_execute
     _wait_idle(engine)
-    assert client.completions.create(prompt="Recovered?", max_tokens=2, **_greedy()).choices[0].text
+    assert engine.dead_reason is None
 
 
-def test_engine_that_cannot_recover_is_dead():
-    """A failed step whose requests cannot even be aborted leaves a dead engine: the
-    request gets a 500, then /health and new requests answer 503 (nothing hangs)."""
+def test_engine_whose_device_fails_is_dead():
+    """A device failure kills the engine: the request in flight and every later one get 503
+    engine_dead, and /health says so (nothing hangs)."""
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(max_model_len=256, num_gpu_blocks_override=32))
 
     def broken(*args):
-        raise RuntimeError("device lost")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    engine.engine.step = engine.engine.abort_request = broken
+    engine.engine.runner.execute = broken
     try:
         with _serve(engine) as server:
-            error = _assert_error(_post(server.base_url, "/v1/completions", {"prompt": "x"}, key=None), 500)
-            assert "device lost" in error["message"]
+            error = _assert_error(_post(server.base_url, "/v1/completions", {"prompt": "x"}, key=None), 503)
+            assert "illegal memory access" in error["message"] and error["code"] == "engine_dead"
             assert _assert_error(httpx.get(server.base_url + "/health"), 503)["code"] == "engine_dead"
             _assert_error(_post(server.base_url, "/v1/completions", {"prompt": "x"}, key=None), 503)
     finally:

@@ -138,10 +138,38 @@ class Scheduler:
             request.status = RequestStatus.SWAPPED
             self.swapped.appendleft(request)
             return
+        self._requeue(request)
+
+    def recompute(self, request: Request) -> None:
+        """Start a request over from its known tokens (after a failed step), at the head of
+        the waiting queue; its blocks are freed (their hashes stay findable) and a token
+        still on the device is forgotten."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        request.num_pending_tokens = 0
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+
+    def schedule_only(self, requests: list[Request]) -> SchedulerOutput:
+        """A step for these requests alone (a probe after a failed step): the others keep
+        their places and their blocks, and get no tokens this step."""
+        chosen = set(requests)
+        others = [[r for r in queue if r not in chosen] for queue in (self.running, self.waiting, self.swapped)]
+        self.running = [r for r in self.running if r in chosen]
+        self.waiting = deque(r for r in self.waiting if r in chosen)
+        self.swapped = deque(r for r in self.swapped if r in chosen)
+        try:
+            return self.schedule()
+        finally:
+            self.running = others[0] + self.running
+            self.waiting = deque([*self.waiting, *others[1]])
+            self.swapped = deque([*self.swapped, *others[2]])
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -151,12 +179,9 @@ class Scheduler:
                 break
             self.kv.swap_in(request)
             if not self.kv.allocate_slots(request, num_new):
-                # Back out: the request stays swapped (its blocks now on the device).
-                self.kv.free(request)
-                request.num_computed_tokens = 0
+                # Back out: the request starts over (its blocks are now on the device).
                 self.swapped.popleft()
-                request.status = RequestStatus.WAITING
-                self.waiting.appendleft(request)
+                self._requeue(request)
                 break
             self.swapped.popleft()
             request.status = RequestStatus.RUNNING

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from fastapi import FastAPI, Request, Response
@@ -11,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import __version__
 from ..async_engine import AsyncLLMEngine
 from .auth import ApiKeyMiddleware
+from .body_limit import BodySizeLimitMiddleware
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import engine_dead, install_error_handlers
@@ -21,11 +23,18 @@ from .serving import ServerConfig, Serving
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     """An app serving ``engine``; the caller owns the engine (and shuts it down)."""
     serving = Serving(engine, config)
-    app = FastAPI(title="pagedrag", version=__version__)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        serving.templates.close()  # the request-template worker, if one was started
+
+    app = FastAPI(title="pagedrag", version=__version__, lifespan=lifespan)
     app.state.serving = serving
     install_error_handlers(app)
     if config.api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes)
     started = int(time.time())
 
     @app.get("/health")

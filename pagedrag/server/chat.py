@@ -17,7 +17,10 @@ from .streams import unless_disconnected
 
 async def create_chat_completion(serving: Serving, request: ChatCompletionRequest,
                                  http_request: Request) -> ChatCompletionResponse | StreamingResponse:
-    envelope, run = await serving.start(http_request, request, [serving.chat_prompt(request)], "chatcmpl")
+    envelope, params = serving.check(request)
+    prompt = await unless_disconnected(
+        http_request, serving.chat_prompt(request, serving.cache_salt(http_request, request)))
+    run = await serving.start(http_request, params, [prompt], envelope)
     if request.stream:
         return sse_response(_chunks(serving, request, envelope, run), run.close)
     deltas = await unless_disconnected(http_request, run.final())

@@ -12,11 +12,13 @@ import logging
 import types
 import typing
 
-import uvicorn
-
 from ..config import EngineArgs
 
 logger = logging.getLogger("pagedrag")
+
+# ServerConfig.max_request_bytes's default, repeated so that --help need not import the
+# engine (a test keeps the two equal)
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +40,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="answer 503 once this many requests are in flight (waiting + running)")
     server.add_argument("--served-model-name", nargs="+", default=None, dest="served_model_names",
                         metavar="NAME", help="model name(s) clients use (default: the model's own name)")
+    server.add_argument("--max-request-bytes", type=_positive_int, default=MAX_REQUEST_BYTES, metavar="N",
+                        help="answer 413 to request bodies larger than N bytes, before parsing them "
+                             "(default: %(default)s, 4 MiB)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a chat template sent with a request (rendered in a sandboxed worker "
+                             "with time and size limits); off by default, as in vLLM since its advisory "
+                             "on client-supplied chat templates")
+    server.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM or Ctrl-C, stop accepting requests and give those in flight "
+                             "this long to finish; then end them (finish_reason \"abort\") and exit. "
+                             "0 ends them at once; a second signal exits immediately "
+                             "(default: %(default)g)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="uvicorn's log level (pagedrag's own: PAGEDRAG_LOG_LEVEL)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A duration >= 0 (NaN and infinity refused: the shutdown must be bounded)."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, not {text}")
+    return value
 
 
 def _add_engine_flag(group: argparse._ArgumentGroup, field: dataclasses.Field, hint) -> None:
@@ -64,15 +93,28 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
 
 
-def run(args: argparse.Namespace) -> int:
-    """Build the engine (its log line gives the KV pool), serve until interrupted.
+def server_config_from(args: argparse.Namespace, model_name: str):
+    """The ServerConfig of the server flags; ``model_name`` is served when no
+    --served-model-name is given."""
+    from .serving import ServerConfig
 
-    Ctrl-C (SIGINT) shuts down gracefully and returns 0; after a graceful shutdown on
-    SIGTERM uvicorn re-raises the signal, which ends the process.
+    return ServerConfig(served_model_names=args.served_model_names or [model_name],
+                        api_keys=args.api_keys, max_queue=args.max_queue,
+                        salt_by_api_key=args.salt_by_api_key,
+                        max_request_bytes=args.max_request_bytes,
+                        trust_request_chat_template=args.trust_request_chat_template)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the engine (its log line gives the KV pool), serve until SIGTERM or SIGINT.
+
+    The first signal drains: no new connections, requests in flight get
+    --shutdown-timeout seconds, then are aborted (finish_reason "abort"); run() then
+    returns 0. A second signal ends the process at once (pagedrag.server.shutdown).
     """
     from ..async_engine import AsyncLLMEngine
     from .app import build_app
-    from .serving import ServerConfig
+    from .shutdown import DrainingServer
 
     try:
         engine_args = engine_args_from(args)
@@ -80,13 +122,15 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", error)
         return 2
     engine = AsyncLLMEngine.from_engine_args(engine_args)
-    config = ServerConfig(served_model_names=args.served_model_names or [engine.engine.model_name],
-                          api_keys=args.api_keys, max_queue=args.max_queue,
-                          salt_by_api_key=args.salt_by_api_key)
-    logger.info("serving %s on http://%s:%d (API keys: %d, max queue: %s)", config.served_model_names,
-                args.host, args.port, len(config.api_keys), config.max_queue)
+    config = server_config_from(args, engine.engine.model_name)
+    logger.info("serving %s on http://%s:%d (API keys: %d, max queue: %s, shutdown timeout: %gs)",
+                config.served_model_names, args.host, args.port, len(config.api_keys), config.max_queue,
+                args.shutdown_timeout)
+    server = DrainingServer(build_app(engine, config), engine, args.shutdown_timeout,
+                            host=args.host, port=args.port, log_level=args.log_level)
     try:
-        uvicorn.run(build_app(engine, config), host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
     finally:
-        engine.shutdown()
+        with server.exiting():  # a signal while the engine stops exits at once
+            engine.shutdown()
     return 0

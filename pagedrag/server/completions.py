@@ -8,7 +8,6 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from .choices import ChoiceDelta
-from .errors import APIError
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from .serving import Envelope, Run, Serving
 from .sse import sse_response
@@ -17,11 +16,10 @@ from .streams import unless_disconnected
 
 async def create_completion(serving: Serving, request: CompletionRequest,
                             http_request: Request) -> CompletionResponse | StreamingResponse:
-    try:
-        prompts = request.engine_prompts()
-    except ValueError as error:
-        raise APIError(400, str(error), param="prompt") from error
-    envelope, run = await serving.start(http_request, request, prompts, "cmpl")
+    envelope, params = serving.check(request)
+    prompts = await unless_disconnected(
+        http_request, serving.completion_prompts(request, serving.cache_salt(http_request, request)))
+    run = await serving.start(http_request, params, prompts, envelope)
     if request.stream:
         return sse_response(_chunks(serving, request, envelope, run), run.close)
     deltas = await unless_disconnected(http_request, run.final())

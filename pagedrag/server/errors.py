@@ -1,9 +1,12 @@
 """Errors as OpenAI reports them: {"error": {"message", "type", "param", "code"}}.
 
 Status codes: 400 bad input (FastAPI's 422 validation errors and malformed JSON
-included), 401 missing or wrong API key, 404 unknown model (as OpenAI), 503 over
---max-queue or engine dead, 500 an engine step failed. Every error a handler
-raises is turned into that body here, so no route formats errors itself.
+included), 401 missing or wrong API key, 404 unknown model (as OpenAI), 413 body
+over --max-request-bytes, 500 a step failed in a way traced to this request (the
+others went on), 503 over --max-queue or engine dead. Every error a handler raises
+is turned into that body here, so no route formats errors itself. Messages may echo
+client text: anything that is not valid UTF-8 in them is escaped, so the body always
+encodes.
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ..async_engine import EngineDeadError
+from ..recovery import EngineDeadError, RequestFailedError
 from .protocol import ErrorDetail, ErrorResponse
 from .streams import ClientDisconnected
 
 logger = logging.getLogger("pagedrag")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+          503: "service_unavailable_error"}
 # nginx's code for "the client closed the connection"; nobody receives the response
 CLIENT_CLOSED_REQUEST = 499
 
@@ -31,13 +35,20 @@ class APIError(Exception):
     """An error with its HTTP status and OpenAI error fields."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        message = _encodable(message)
         super().__init__(message)
         self.status = status
         self.body = ErrorResponse(error=ErrorDetail(
-            message=message, type=_TYPES.get(status, "server_error"), param=param, code=code))
+            message=message, type=_TYPES.get(status, "server_error"),
+            param=None if param is None else _encodable(param), code=code))
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body.model_dump(), status_code=self.status)
+
+
+def _encodable(text: str) -> str:
+    """``text`` with lone surrogates escaped (\\udc80), so that it always encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def as_api_error(error: Exception) -> APIError:
@@ -48,6 +59,8 @@ def as_api_error(error: Exception) -> APIError:
         return APIError(400, str(error))
     if isinstance(error, EngineDeadError):
         return engine_dead(str(error))
+    if isinstance(error, RequestFailedError):
+        return APIError(500, str(error), code="request_failed")
     return APIError(500, f"internal error: {error}")
 
 

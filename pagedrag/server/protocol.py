@@ -2,31 +2,72 @@
 
 Requests accept OpenAI's fields plus vLLM's sampling extras (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, min_tokens, cache_salt, ...).
-Unknown fields are ignored, as OpenAI-compatible servers do; known fields this
-server cannot honour (echo, logit_bias, tools, ...) are rejected rather than
-silently ignored. An explicit null means "the default".
+Types are strict, as JSON has them: "10" is not a number and "yes" not a boolean.
+Every string must be valid UTF-8 (no lone surrogates). Unknown fields are ignored
+with a logged warning, as OpenAI-compatible servers do; known fields this server
+cannot honour (echo, logit_bias, tools, ...) are rejected rather than silently
+ignored. An explicit null means "the default".
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import MAX_LOGPROBS, SamplingParams
+from ..text_checks import check_utf8
 
-MAX_TOP_LOGPROBS = 20
+logger = logging.getLogger("pagedrag")
+
+MAX_TOP_LOGPROBS = MAX_LOGPROBS
+MAX_PROMPTS_PER_REQUEST = 1024  # prompts in one batched /v1/completions request
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_strings(value: Any, path: str) -> None:
+    """Refuse any string, key or value, at any depth, that is not valid UTF-8 (iterative:
+    nesting as deep as the JSON parser allows never exhausts the stack)."""
+    pending = [(value, path)]
+    while pending:
+        item, where = pending.pop()
+        if isinstance(item, str):
+            check_utf8(where, item)
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                pending.append((key, f"a key of {where}"))
+                pending.append((inner, f"{where}.{key}" if isinstance(key, str) else where))
+        elif isinstance(item, list):
+            pending.extend((inner, f"{where}[{index}]") for index, inner in enumerate(item))
+
+
+class StrictRequest(BaseModel):
+    """A request body: strict JSON types, UTF-8 strings, unknown fields logged and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8_only(cls, data: Any) -> Any:
+        _check_strings(data, cls.__name__)
+        return data
+
+    @model_validator(mode="after")
+    def _warn_unknown(self) -> "StrictRequest":
+        if self.model_extra:
+            logger.warning("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra)[:20])
+        return self
 
 
 # ---- requests -------------------------------------------------------------------
-class StreamOptions(BaseModel):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(StrictRequest):
     """The fields /v1/completions and /v1/chat/completions share."""
 
-    model_config = ConfigDict(extra="ignore")
     # field -> the values that mean "not used" (null is always accepted)
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {"logit_bias": ({},)}
 
@@ -75,6 +116,10 @@ class SamplingRequest(BaseModel):
         """The generation limit; None: until EOS, a stop, or max_model_len."""
         raise NotImplementedError
 
+    def num_prompts(self) -> int:
+        """How many prompts the request carries (each runs n completions)."""
+        raise NotImplementedError
+
     def num_logprobs(self) -> int | None:
         """Top logprobs to return per token; None: no logprobs."""
         raise NotImplementedError
@@ -92,6 +137,7 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
+    PREFIX: ClassVar[str] = "cmpl"  # of response ids
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         **SamplingRequest.UNSUPPORTED, "echo": (False,), "suffix": ("",), "best_of": (1,)}
 
@@ -105,6 +151,9 @@ class CompletionRequest(SamplingRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def num_prompts(self) -> int:
+        return len(self.engine_prompts())
+
     def engine_prompts(self) -> list[str | list[int]]:
         """One engine prompt (text or token ids) per prompt of a possibly batched request."""
         prompt = self.prompt
@@ -112,19 +161,26 @@ class CompletionRequest(SamplingRequest):
             return [prompt]
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+            raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts in one request, got {len(prompt)}")
         return list(prompt)
 
 
-class TextPart(BaseModel):
+class TextPart(StrictRequest):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: str
+class ChatMessage(StrictRequest):
+    role: Literal[ROLES]
     content: str | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> "ChatMessage":
+        """Only an assistant message may come without content (OpenAI: one that made tool calls)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content: a string or a list of text parts")
+        return self
 
     def as_template_message(self) -> dict:
         """{"role", "content"} with text parts joined by newlines (None: empty)."""
@@ -135,6 +191,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    PREFIX: ClassVar[str] = "chatcmpl"
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         **SamplingRequest.UNSUPPORTED, "tools": ([],), "functions": ([],),
         "tool_choice": ("none",), "function_call": ("none",),
@@ -146,7 +203,22 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # vLLM's field; honoured only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def request_chat_template(self) -> str | None:
+        """The chat template the request brings (top-level or in chat_template_kwargs), if any."""
+        from_kwargs = (self.chat_template_kwargs or {}).get("chat_template")
+        if self.chat_template is not None and from_kwargs is not None:
+            raise ValueError("give chat_template once: top-level or in chat_template_kwargs, not both")
+        template = self.chat_template if self.chat_template is not None else from_kwargs
+        if template is not None and not isinstance(template, str):
+            raise ValueError("chat_template must be a string")
+        return template
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs without the template itself."""
+        return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"}
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
@@ -159,6 +231,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def num_prompts(self) -> int:
+        return 1
 
     def conversation(self) -> list[dict]:
         return [message.as_template_message() for message in self.messages]

@@ -13,15 +13,15 @@ from starlette.requests import Request
 
 from ..async_engine import AsyncLLMEngine
 from ..detokenizer import StopChecker
-from ..engine import PromptType
-from ..llm import render_chat
+from ..inputs import ProcessedPrompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .auth import bearer_token, tenant_cache_salt
 from .choices import ChoiceCursor, ChoiceDelta
 from .errors import APIError, as_api_error, engine_dead
 from .logprobs import LogprobFormatter
-from .protocol import ChatCompletionRequest, PromptTokensDetails, SamplingRequest, Usage
+from .chat_template import RequestTemplateRenderer
+from .protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, SamplingRequest, Usage
 from .streams import merge_streams, unless_disconnected
 
 
@@ -29,8 +29,10 @@ from .streams import merge_streams, unless_disconnected
 class ServerConfig:
     served_model_names: list[str]
     api_keys: list[str] = field(default_factory=list)
-    max_queue: int | None = None  # most requests in flight (waiting + running); None: no limit
+    max_queue: int | None = None  # most sequences in flight (waiting + running, n counted); None: no limit
     salt_by_api_key: bool = False
+    max_request_bytes: int = 4 * 1024 * 1024  # larger bodies get 413 before they are parsed
+    trust_request_chat_template: bool = False  # accept a chat template sent with a request
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,8 @@ class Serving:
         self.max_model_len = engine.engine.max_model_len
         self.tokenizer = copy.deepcopy(engine.engine.tokenizer)
         self.logprobs = LogprobFormatter(self.tokenizer)
+        self.templates = RequestTemplateRenderer()
+        self.special_tokens = _special_tokens(self.tokenizer)
 
     @property
     def model_name(self) -> str:
@@ -142,43 +146,91 @@ class Serving:
                                 f"{self.config.served_model_names}", param="model", code="model_not_found")
         return requested
 
-    def chat_prompt(self, request: ChatCompletionRequest) -> dict:
-        """The prompt dict of a conversation, rendered by pagedrag.llm.render_chat."""
+    async def chat_prompt(self, request: ChatCompletionRequest, salt: str | None) -> ProcessedPrompt:
+        """A conversation through the model's chat template, or the request's own (only with
+        --trust-request-chat-template, in the sandboxed renderer), off the event loop."""
+        conversation = request.conversation()
         try:
-            return render_chat(self.tokenizer, request.conversation(), request.add_generation_prompt,
-                               **(request.chat_template_kwargs or {}))
+            template = request.request_chat_template()
+            if template is None:
+                return await self.engine.preprocess(lambda inputs: inputs.render_chat(
+                    conversation, request.add_generation_prompt, salt, **request.template_kwargs()))
+            text = await self._render_request_template(template, request)
+            return await self.engine.preprocess(lambda inputs: inputs.process_chat_text(text, salt))
+        except APIError:
+            raise
         except Exception as error:  # jinja raises its own TemplateError types
             raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from error
 
-    async def start(self, http_request: Request, request: SamplingRequest, prompts: list[PromptType],
-                    prefix: str) -> tuple[Envelope, Run]:
-        """Check the request, queue its prompts and wait for the first output.
+    async def _render_request_template(self, template: str, request: ChatCompletionRequest) -> str:
+        if not self.config.trust_request_chat_template:
+            raise APIError(400, "this server does not accept chat templates sent with a request "
+                                "(the operator can allow them with --trust-request-chat-template)",
+                           param="chat_template")
+        return await self.templates.render(template, request.conversation(), request.add_generation_prompt,
+                                           self.special_tokens, request.template_kwargs())
 
-        Raises APIError: 404 unknown model, 400 bad parameters or prompt, 503 over
-        --max-queue; ClientDisconnected if the client leaves first.
-        """
-        envelope = Envelope.new(prefix, self.resolve_model(request.model))
+    async def completion_prompts(self, request: CompletionRequest, salt: str | None) -> list[ProcessedPrompt]:
+        """Each prompt of a (possibly batched) completion request, tokenized off the event loop."""
+        try:
+            prompts = request.engine_prompts()
+            return [await self.engine.preprocess(lambda inputs, p=p: inputs.process(p, salt)) for p in prompts]
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), param="prompt") from error
+
+    def cache_salt(self, http_request: Request, request: SamplingRequest) -> str | None:
+        if not self.config.salt_by_api_key:
+            return request.cache_salt
+        return tenant_cache_salt(bearer_token(http_request.headers), request.cache_salt)
+
+    def check(self, request: SamplingRequest) -> tuple[Envelope, SamplingParams]:
+        """Check what needs no tokenizing: the model, the sampling parameters and room in the
+        queue. Raises APIError: 404 unknown model, 400 bad parameters, 503 over --max-queue."""
+        model = self.resolve_model(request.model)
         try:
             params = request.sampling_params()
-        except ValueError as error:
+            self.engine.check_params(params)
+        except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from error
-        self._admit(len(prompts))
-        salt = self._cache_salt(http_request, request.cache_salt)
-        streams = [self.engine.generate(prompt, params, f"{envelope.id}-{index}", salt)
+        try:
+            num_prompts = request.num_prompts()
+        except ValueError as error:
+            raise APIError(400, str(error), param="prompt") from error
+        self._admit(num_prompts * params.n)
+        return Envelope.new(request.PREFIX, model), params
+
+    async def start(self, http_request: Request, params: SamplingParams, prompts: list[ProcessedPrompt],
+                    envelope: Envelope) -> Run:
+        """Queue the checked prompts and wait for the first output (400 if a prompt leaves no
+        room for max_tokens; ClientDisconnected if the client leaves first)."""
+        for prompt in prompts:
+            self._check_room(len(prompt.token_ids), params.max_tokens)
+        streams = [self.engine.generate(prompt, params, f"{envelope.id}-{index}")
                    for index, prompt in enumerate(prompts)]
         run = Run(merge_streams(streams), params)
         await run.prime(http_request)
-        return envelope, run
+        return run
 
-    def _admit(self, count: int) -> None:
+    def _check_room(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """As vLLM's server: the prompt plus max_tokens must fit max_model_len."""
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                                f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+                                f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion). "
+                                "Please reduce the length of the prompt or max_tokens.", param="max_tokens")
+
+    def _admit(self, num_sequences: int) -> None:
+        """Each of a request's n completions of each prompt counts as one sequence."""
         limit = self.config.max_queue
         if self.engine.dead_reason is not None:
             raise engine_dead(self.engine.dead_reason)
-        if limit is not None and self.engine.num_in_flight + count > limit:
-            raise APIError(503, f"the server is at its limit of {limit} requests in flight "
+        if limit is not None and self.engine.num_in_flight + num_sequences > limit:
+            raise APIError(503, f"the server is at its limit of {limit} sequences in flight "
                                 "(--max-queue); retry later", code="queue_full")
 
-    def _cache_salt(self, http_request: Request, request_salt: str | None) -> str | None:
-        if not self.config.salt_by_api_key:
-            return request_salt
-        return tenant_cache_salt(bearer_token(http_request.headers), request_salt)
+
+def _special_tokens(tokenizer) -> dict[str, str]:
+    """The special tokens a chat template may use (bos_token, eos_token, ...)."""
+    if tokenizer is None:
+        return {}
+    return {name: value for name, value in tokenizer.special_tokens_map.items() if isinstance(value, str)}

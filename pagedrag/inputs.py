@@ -1,0 +1,182 @@
+"""What a caller passes, turned into a validated prompt before it can reach a step.
+
+InputProcessor holds no engine state: the engine thread uses one, and AsyncLLMEngine
+runs copies on worker threads, so that tokenizing a long prompt never stalls a step.
+Everything a request carries is checked here against the model and the engine's
+limits (token ids within the vocabulary, lengths, UTF-8, n against max_num_seqs);
+whatever passes cannot make a step fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .sampling_params import SamplingParams
+from .text_checks import check_int, check_utf8
+
+PromptType = str | Sequence[int] | Mapping
+Conversation = list[dict]
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+MAX_CACHE_SALT_CHARS = 4096
+# A text of more than this many characters per token of max_model_len is refused before
+# it is tokenized: no token of the vocabulary decodes to more characters than its longest
+# token string, and the factor covers normalizers that merge characters (NFKC).
+CHARS_PER_TOKEN_SAFETY = 2
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt that passed every check: ``token_ids`` are in the vocabulary, and there
+    are fewer than max_model_len of them."""
+
+    text: str | None
+    token_ids: list[int]
+    cache_salt: str | None
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_prompt_chars = max_model_len * CHARS_PER_TOKEN_SAFETY * _longest_token_chars(tokenizer)
+
+    def copy(self) -> "InputProcessor":
+        """An independent processor for another thread (a tokenizer is not shared across threads)."""
+        clone = copy.copy(self)
+        clone.tokenizer = copy.deepcopy(self.tokenizer)
+        return clone
+
+    # ---- prompts ------------------------------------------------------------------
+    def process(self, prompt: PromptType, cache_salt: str | None = None) -> ProcessedPrompt:
+        """Tokenize and check a prompt given as text, token ids or a prompt dict; the
+        ``cache_salt`` argument wins over the dict's. Raises ValueError / TypeError."""
+        if isinstance(prompt, ProcessedPrompt):
+            if cache_salt is None:
+                return prompt
+            self._check_salt(cache_salt)
+            return dataclasses.replace(prompt, cache_salt=cache_salt)
+        text, token_ids, dict_salt = self._parse(prompt)
+        salt = cache_salt if cache_salt is not None else dict_salt
+        self._check_salt(salt)
+        self.check_prompt_ids(token_ids)
+        return ProcessedPrompt(text, token_ids, salt)
+
+    def _parse(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        if isinstance(prompt, Mapping):
+            unknown = set(prompt) - set(PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"unknown prompt keys {sorted(unknown)}; use {', '.join(PROMPT_KEYS)}")
+            text = prompt.get("prompt")
+            if "prompt_token_ids" in prompt:
+                if text is not None:
+                    self._check_text(text)
+                return text, self._token_ids(prompt["prompt_token_ids"]), prompt.get("cache_salt")
+            return (*self._encode(text), prompt.get("cache_salt"))
+        if isinstance(prompt, str):
+            return (*self._encode(prompt), None)
+        if isinstance(prompt, Sequence):
+            return None, self._token_ids(prompt), None
+        raise TypeError(f"a prompt must be a string, a list of token ids or a prompt dict, "
+                        f"got {type(prompt).__name__}")
+
+    def _encode(self, text: object) -> tuple[str, list[int]]:
+        self._check_text(text)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+        return text, self.tokenizer.encode(text, add_special_tokens=True)
+
+    def _check_text(self, text: object) -> None:
+        if not isinstance(text, str):
+            raise TypeError(f"a prompt's text must be a string, got {type(text).__name__}")
+        check_utf8("the prompt", text)
+        self.check_prompt_chars(len(text))
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        """Refuse a text certainly too long for max_model_len, before tokenizing it."""
+        if num_chars > self.max_prompt_chars:
+            raise ValueError(f"the prompt has {num_chars} characters, more than {self.max_model_len} "
+                             f"tokens (max_model_len) can hold (at most {self.max_prompt_chars})")
+
+    def _token_ids(self, token_ids: object) -> list[int]:
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise TypeError(f"prompt_token_ids must be a list of integers, got {type(token_ids).__name__}")
+        return [check_int("a prompt token id", token) for token in token_ids]
+
+    def check_prompt_ids(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must hold at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "it must be shorter to leave room for at least one generated token")
+        self._check_in_vocab("prompt token ids", token_ids)
+
+    def _check_salt(self, salt: object) -> None:
+        if salt is None:
+            return
+        if not isinstance(salt, str):
+            raise TypeError(f"cache_salt must be a string, got {type(salt).__name__}")
+        check_utf8("cache_salt", salt)
+        if len(salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt may hold at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+
+    def _check_in_vocab(self, what: str, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    # ---- chats -------------------------------------------------------------------
+    def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
+                    cache_salt: str | None = None, **template_kwargs) -> ProcessedPrompt:
+        """A conversation through the model's chat template (the tokenizer's, rendered in
+        Jinja's sandbox by transformers), checked like any prompt."""
+        check_conversation(conversation)
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template, and this model has none")
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self.process_chat_text(text, cache_salt)
+
+    def process_chat_text(self, text: str, cache_salt: str | None = None) -> ProcessedPrompt:
+        """A rendered chat: its special tokens are in the text, so none are added."""
+        self._check_text(text)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return self.process({"prompt": text, "prompt_token_ids": token_ids}, cache_salt)
+
+    # ---- sampling parameters -------------------------------------------------------
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the model's vocabulary and tokenizer,
+        and the engine's seats."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n={params.n} completions need more sequences than max_num_seqs="
+                             f"{self.max_num_seqs} lets run at once")
+        self._check_in_vocab("stop_token_ids", params.stop_token_ids)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
+
+
+def check_conversation(conversation: Conversation) -> None:
+    """Each message a dict with a string role and string content (ValueError otherwise)."""
+    if isinstance(conversation, (str, Mapping)) or not isinstance(conversation, Sequence) or not conversation:
+        raise ValueError("a conversation must be a non-empty list of {'role', 'content'} messages")
+    for message in conversation:
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ValueError(f"each chat message needs 'role' and 'content', got {message!r:.200}")
+        if not isinstance(message["role"], str):
+            raise ValueError(f"a chat message's role must be a string, got {type(message['role']).__name__}")
+        if not isinstance(message["content"], str):
+            raise ValueError(f"chat message content must be a string, got {type(message['content']).__name__}")
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """The most characters one token string of the vocabulary has (16 without a tokenizer)."""
+    if tokenizer is None:
+        return 16
+    return max((len(token) for token in tokenizer.get_vocab()), default=16)

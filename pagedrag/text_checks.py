@@ -1,0 +1,38 @@
+"""Checks every value a request carries goes through before it can reach a step."""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+
+def check_utf8(name: str, text: str) -> None:
+    """Refuse text that cannot be encoded as UTF-8 (a lone surrogate, e.g. from a JSON
+    escape like "\\ud800"): hashing, tokenizing or echoing it would fail later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name} is not valid UTF-8 text: a lone surrogate "
+                         f"{text[error.start]!r} at character {error.start}") from None
+
+
+def check_int(name: str, value: object) -> int:
+    """An int, never a bool (True is an int to Python, not to a JSON client)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_float(name: str, value: object) -> float:
+    """A finite real number (int or float, never a bool)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be true or false, got {type(value).__name__} {value!r}")
+    return value

@@ -8,13 +8,15 @@ recomputes at most the partial last block of each beam, never the shared prefix.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from .engine import LLMEngine
+from .outputs import RequestOutput
 from .sampling_params import BeamSearchParams, SamplingParams
 
-if TYPE_CHECKING:
-    from .llm import LLM
+# Runs prompts to completion (LLM.generate without a progress bar).
+Generate = Callable[[list, SamplingParams], list[RequestOutput]]
 
 
 @dataclass
@@ -39,7 +41,7 @@ def beam_score(seq: BeamSearchSequence, num_prompt_tokens: int, length_penalty: 
     return seq.cum_logprob / max(length, 1) ** length_penalty
 
 
-def _round(llm: "LLM", live: list[list[BeamSearchSequence]], salts: list[str | None],
+def _round(generate: Generate, live: list[list[BeamSearchSequence]], salts: list[str | None],
            params: BeamSearchParams) -> list[list[BeamSearchSequence]]:
     """One token for every live beam; returns each prompt's candidate extensions."""
     step_params = SamplingParams(max_tokens=1, temperature=params.temperature,
@@ -47,7 +49,7 @@ def _round(llm: "LLM", live: list[list[BeamSearchSequence]], salts: list[str | N
     flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
     prompts = [{"prompt_token_ids": beam.tokens, **({"cache_salt": salts[i]} if salts[i] else {})}
                for i, beam in flat]
-    outputs = llm.generate(prompts, step_params, use_tqdm=False)
+    outputs = generate(prompts, step_params)
     candidates: list[list[BeamSearchSequence]] = [[] for _ in live]
     for (i, beam), output in zip(flat, outputs):
         for token, logprob in output.outputs[0].logprobs[0].items():
@@ -55,8 +57,8 @@ def _round(llm: "LLM", live: list[list[BeamSearchSequence]], salts: list[str | N
     return candidates
 
 
-def run_beam_search(llm: "LLM", prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    engine = llm.llm_engine
+def run_beam_search(engine: LLMEngine, generate: Generate, prompts: list,
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
     eos = set() if params.ignore_eos else engine.eos_token_ids
     processed = [engine.inputs.process(p) for p in prompts]
     prompt_lens = [len(p.token_ids) for p in processed]
@@ -66,7 +68,7 @@ def run_beam_search(llm: "LLM", prompts: list, params: BeamSearchParams) -> list
     for _ in range(params.max_tokens):
         if not any(live):
             break
-        candidates = _round(llm, live, salts, params)
+        candidates = _round(generate, live, salts, params)
         for i, options in enumerate(candidates):
             score = lambda s, i=i: beam_score(s, prompt_lens[i], params.length_penalty, eos)  # noqa: E731
             options.sort(key=score, reverse=True)

@@ -64,7 +64,8 @@ class LLM:
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
-        return run_beam_search(self, _as_prompt_list(prompts), params)
+        return run_beam_search(self.llm_engine, lambda batch, step_params: self.generate(
+            batch, step_params, use_tqdm=False), _as_prompt_list(prompts), params)
 
     # ---- internals -----------------------------------------------------------
     def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:

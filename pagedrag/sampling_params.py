@@ -137,7 +137,8 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.beam_width < 1:
-            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        if not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
+            raise ValueError(f"beam_width must be in [1, {MAX_LOGPROBS // 2}] (each round asks for "
+                             f"2 * beam_width <= {MAX_LOGPROBS} logprobs), got {self.beam_width}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")

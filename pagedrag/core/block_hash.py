@@ -5,8 +5,7 @@ hash(block i) = sha256(tag || hash(block i-1) || token ids of block i || extra k
 The byte encoding is fixed and length-prefixed (never Python ``hash()`` or
 pickle), so a hash means the same thing in every process and run. Extra keys
 are domain-separated by a one-byte tag; the first block carries the request's
-cache_salt (tenants with different salts never share blocks) and an optional
-adapter id.
+cache_salt (tenants with different salts never share blocks).
 """
 
 from __future__ import annotations
@@ -20,20 +19,16 @@ BlockHash = bytes
 
 _DOMAIN = b"pagedrag/kv-block/v1"
 _TAG_CACHE_SALT = b"S"
-_TAG_ADAPTER = b"A"
 
 
 def _length_prefixed(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
-def _extra_keys(cache_salt: str | None, adapter_id: str | None) -> bytes:
-    encoded = b""
-    if cache_salt is not None:
-        encoded += _TAG_CACHE_SALT + _length_prefixed(cache_salt.encode("utf-8"))
-    if adapter_id is not None:
-        encoded += _TAG_ADAPTER + _length_prefixed(adapter_id.encode("utf-8"))
-    return encoded
+def _extra_keys(cache_salt: str | None) -> bytes:
+    if cache_salt is None:
+        return b""
+    return _TAG_CACHE_SALT + _length_prefixed(cache_salt.encode("utf-8"))
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
@@ -47,11 +42,11 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes 
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        cache_salt: str | None = None, adapter_id: str | None = None) -> None:
+                        cache_salt: str | None = None) -> None:
     """Append to ``hashes`` the hashes of every full block of token_ids not hashed yet."""
     num_full = len(token_ids) // block_size
     for index in range(len(hashes), num_full):
         parent = hashes[index - 1] if index else None
-        extra = _extra_keys(cache_salt, adapter_id) if index == 0 else b""
+        extra = _extra_keys(cache_salt) if index == 0 else b""
         block_tokens = token_ids[index * block_size:(index + 1) * block_size]
         hashes.append(hash_block(parent, block_tokens, extra))

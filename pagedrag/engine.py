@@ -1,11 +1,16 @@
-"""LLMEngine: requests in, one scheduler step + one model step per ``step()``, outputs out."""
+"""LLMEngine: requests in, one step per ``step()`` (schedule -> run -> update), outputs out.
+
+Who owns what in a step: the scheduler picks the work and does its bookkeeping
+(``update_after_step``); the model runner runs the forward pass and samples; the
+engine plans the sampling (forks of n > 1 siblings join their request group) and
+turns sampled tokens into outputs (stops, text, metrics).
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -22,22 +27,10 @@ from .recovery import EngineDeadError, Probation, is_device_failure
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .worker.kv_cache import CacheShape, KVCacheTensors, available_cpu_memory, log_pool
-from .worker.model_runner import ModelRunner, PendingTokens
-from .worker.sampler import HostSamples, Sampler, SamplingBatch
-from .worker.transfer import host_to_device
+from .worker.model_runner import InflightTokens, ModelRunner, SamplingRow
+from .worker.sampler import Sample
 
 logger = logging.getLogger("pagedrag")
-
-
-
-@dataclass
-class InflightSamples:
-    """A step's sampled tokens, on the device and on their way to the host: row i
-    belongs to sequences[i], whose ``num_pending_tokens`` is 1 until it is read."""
-
-    sequences: list[Request]
-    pending: PendingTokens
-    host: HostSamples
 
 
 class LLMEngine:
@@ -66,15 +59,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, args.max_num_seqs,
                                    args.resolved_max_num_batched_tokens(self.max_model_len, self.device),
                                    args.enable_chunked_prefill, args.preemption_mode, self.max_model_len)
-        from . import kernels
-        cache = KVCacheTensors(self.shape, self.num_blocks, num_cpu_blocks, self.device,
-                               kernels.ops_for(self.device))
-        self.runner = ModelRunner(loaded.module, cache, args.block_size, self.device)
-        if self.device.type == "cuda" and not args.enforce_eager:
-            self.runner.capture_graphs(args.max_num_seqs, self.max_model_len)
-        self.sampler = Sampler()
+        self.runner = self._make_runner(loaded.module, num_cpu_blocks)
         self.async_scheduling = args.resolved_async_scheduling(self.device)
-        self._inflight: InflightSamples | None = None
+        self._inflight: InflightTokens | None = None  # the last step's tokens, not yet read
         self.probation = Probation()
         self._suspects: set[str] = set()  # groups the running step touched (see recovery)
         self._failed_outputs: list[RequestOutput] = []
@@ -88,6 +75,17 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
+
+    def _make_runner(self, module: torch.nn.Module, num_cpu_blocks: int) -> ModelRunner:
+        """The model runner over a fresh KV pool, with CUDA graphs unless enforce_eager."""
+        from . import kernels
+        cache = KVCacheTensors(self.shape, self.num_blocks, num_cpu_blocks, self.device,
+                               kernels.ops_for(self.device))
+        eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        runner = ModelRunner(module, cache, self.args.block_size, self.device, eos_token_id)
+        if self.device.type == "cuda" and not self.args.enforce_eager:
+            runner.capture_graphs(self.args.max_num_seqs, self.max_model_len)
+        return runner
 
     # ---- sizing -------------------------------------------------------------
     def _plan_num_blocks(self) -> int:
@@ -193,22 +191,21 @@ class LLMEngine:
         return failed + outputs
 
     def _run_step(self, schedule, asynchronous: bool) -> list[RequestOutput]:
+        """schedule -> run -> update. The previous step's tokens are read only after this
+        step's forward pass is launched, and before it samples: sampling depends on them."""
         previous, self._inflight = self._inflight, None
-        self._suspects = {seq.group_id for seq in previous.sequences} if previous else set()
+        self._suspects = {seq.group_id for seq in previous.requests} if previous else set()
         step = schedule()
         self._suspects |= {item.request.group_id for item in step.scheduled}
         self._suspects |= {request.group_id for request in step.preempted}
-        tables = [self.kv.block_ids(item.request) for item in step.scheduled]
-        logits = self.runner.execute(step, tables, previous.pending if previous else None)
-        completing = [item.request for item in step.scheduled if item.completes_sequence]
-        for item in step.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
-            self._guarded(item.request.group_id, self.kv.cache_blocks, item.request)
+        logits = self.runner.execute(step, previous)
+        self.scheduler.update_after_step(step, self._fail_request)
         touched = self._complete(previous) if previous else set()
-        self._inflight = self._launch_sampling(completing, logits)
-        if self._inflight is not None and not asynchronous:
-            touched |= self._complete(self._inflight)
-            self._inflight = None
+        sampled = self.runner.sample(logits, self._sampling_plan(step))
+        if sampled is not None and not asynchronous:
+            touched |= self._complete(sampled)
+        else:
+            self._inflight = sampled
         self._observe(step)
         return [self._output(group_id) for group_id in touched if group_id in self.groups]
 
@@ -247,13 +244,10 @@ class LLMEngine:
         self._observe_pool()
         return []
 
-    def _guarded(self, group_id: str, fn, *args) -> None:
-        """Run per-request work; an error in it fails that request alone."""
-        try:
-            fn(*args)
-        except Exception as error:
-            logger.error("request %s failed in a step and is aborted", group_id, exc_info=error)
-            self._fail_group(group_id, error)
+    def _fail_request(self, request: Request, error: Exception) -> None:
+        """An error in one request's own work in a step fails its group alone."""
+        logger.error("request %s failed in a step and is aborted", request.group_id, exc_info=error)
+        self._fail_group(request.group_id, error)
 
     def _fail_group(self, group_id: str, error: Exception) -> None:
         """Abort every sequence of the group; its final output carries the error."""
@@ -263,66 +257,47 @@ class LLMEngine:
         output.error = f"the request failed in an engine step and was aborted: {error!r}"
         self._failed_outputs.append(output)
 
-    def _launch_sampling(self, completing: list[Request], logits: torch.Tensor) -> InflightSamples | None:
-        """Sample on the device for the requests whose every token got KV this step (row i of
-        logits is completing[i]) and start copying the tokens back."""
-        plan = self._plan_sampling(completing)
-        if not plan:
-            return None
-        batch = self._sampling_batch(plan)
-        rows = host_to_device([row for *_, row in plan], torch.int64, self.device)
-        sequences = [self._fork(parent, index, generator) if index else parent
-                     for parent, index, generator, _ in plan]
-        sampled = self.sampler(logits[rows], batch)
-        for seq in sequences:
-            seq.num_pending_tokens = 1
-        pending = PendingTokens(sampled.token_ids, {seq.request_id: i for i, seq in enumerate(sequences)})
-        return InflightSamples(sequences, pending, sampled.copy_to_host())
-
-    def _plan_sampling(self, completing: list[Request]) -> list[tuple[Request, int, torch.Generator | None, int]]:
-        """(request, completion index, its RNG, logits row) of every sequence that samples this
-        step; index > 0 marks an n > 1 sibling to fork off a prompt computed this step. A
-        request that finished meanwhile (asynchronous scheduling) keeps its row unsampled."""
+    def _sampling_plan(self, step: SchedulerOutput) -> list[SamplingRow]:
+        """A row for every sequence that samples this step: each request of ``step.completing``
+        (its logits row is its index there), then its n > 1 siblings, forked now that its
+        prompt is computed, on the same row. A request that finished meanwhile (asynchronous
+        scheduling: its previous token stopped it) leaves its row unsampled."""
         plan = []
-        for row, request in enumerate(completing):
+        for row, request in enumerate(step.completing):
             if request.is_finished:
                 continue
-            plan.append((request, 0, request.generator, row))
-            for index in range(request.params.n - request.pending_forks, request.params.n):
-                plan.append((request, index, self._generator(request.params, index), row))
+            plan.append(SamplingRow(request, row))
+            n = request.params.n
+            siblings = [self._fork(request, index) for index in range(n - request.pending_forks, n)]
             request.pending_forks = 0
+            plan.extend(SamplingRow(sibling, row) for sibling in siblings)
         return plan
 
-    def _sampling_batch(self, plan) -> SamplingBatch:
-        params = [request.params for request, *_ in plan]
-        return SamplingBatch.from_params(
-            params, [generator for _, _, generator, _ in plan],
-            [request.prompt_token_ids for request, *_ in plan],
-            [request.output_token_ids for request, *_ in plan],
-            self.device, self.tokenizer.eos_token_id if self.tokenizer is not None else None)
-
-    def _fork(self, parent: Request, index: int, generator: torch.Generator | None) -> Request:
+    def _fork(self, parent: Request, index: int) -> Request:
         """Completion ``index`` of an n > 1 request: shares the parent's blocks (copy-on-write)."""
-        child = parent.fork(f"{parent.group_id}#{index}", index, generator)
-        self.kv.fork(parent, child)
-        self.scheduler.add_running(child)
+        child = parent.fork(f"{parent.group_id}#{index}", index, self._generator(parent.params, index))
+        self.scheduler.add_fork(parent, child)
         group = self.groups[parent.group_id]
         group.sequences.append(child)
         group.texts[child.request_id] = new_sequence_text(self.tokenizer, child)
         return child
 
-    def _complete(self, inflight: InflightSamples) -> set[str]:
+    def _complete(self, inflight: InflightTokens) -> set[str]:
         """Wait for a step's sampled tokens and update their sequences (skipping those that
-        ended meanwhile: aborted); returns the groups that moved."""
+        ended meanwhile: aborted); returns the groups that moved. An error in one sequence's
+        update fails its group alone."""
         moved = set()
-        for seq, sample in zip(inflight.sequences, inflight.host.result()):
+        for seq, sample in zip(inflight.requests, inflight.read()):
             if seq.is_finished:
                 continue
-            self._guarded(seq.group_id, self._after_token, seq, sample)
+            try:
+                self._after_token(seq, sample)
+            except Exception as error:
+                self._fail_request(seq, error)
             moved.add(seq.group_id)
         return moved
 
-    def _after_token(self, seq: Request, sample) -> None:
+    def _after_token(self, seq: Request, sample: Sample) -> None:
         seq.append_token(sample.token_id)
         record_logprobs(seq, sample)
         self._observe_latency(seq)

@@ -38,7 +38,7 @@ class Request:
 
     With asynchronous scheduling a sampled token can still be on the device when
     the next step is scheduled: it counts in ``num_tokens`` (so the scheduler gives
-    the request its decode) but is not yet in ``token_ids``; ``num_pending_tokens``
+    the request its decode) but is not yet in ``token_ids``; ``num_inflight_tokens``
     (0 or 1) says so, and ``append_token`` resolves it.
     """
 
@@ -59,7 +59,7 @@ class Request:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
-    num_pending_tokens: int = 0  # sampled on the device, not yet read back (async scheduling)
+    num_inflight_tokens: int = 0  # sampled on the device, not yet read back (async scheduling)
     pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
@@ -77,7 +77,7 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Known tokens plus the one still on the device, if any."""
-        return len(self.token_ids) + self.num_pending_tokens
+        return len(self.token_ids) + self.num_inflight_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -92,9 +92,9 @@ class Request:
         return self.status.finished
 
     def append_token(self, token_id: int) -> None:
-        """Add a sampled token (resolving the pending one, if there is one)."""
+        """Add a sampled token (resolving the in-flight one, if there is one)."""
         self.token_ids.append(token_id)
-        self.num_pending_tokens = max(self.num_pending_tokens - 1, 0)
+        self.num_inflight_tokens = max(self.num_inflight_tokens - 1, 0)
         self.update_block_hashes()
 
     def update_block_hashes(self) -> None:

@@ -63,6 +63,7 @@ def test_abort_with_a_token_in_flight_keeps_the_others(tiny_path):
     for _ in range(3):
         finished.update((o.request_id, o) for o in core.step() if o.finished)
     assert core._inflight is not None  # request "1" has a sampled token on its way back
+    assert [r.num_inflight_tokens for r in core._inflight.requests] == [1, 1, 1]
     core.abort_request("1")
     while core.has_unfinished_requests():
         finished.update((o.request_id, o) for o in core.step() if o.finished)

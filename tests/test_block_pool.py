@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from pagedrag.core.block_hash import extend_block_hashes
 from pagedrag.core.block_pool import BlockPool
 from pagedrag.core.kv_cache_manager import KVCacheManager
+from pagedrag.core.scheduler import Scheduler
 from pagedrag.request import Request
 from pagedrag.sampling_params import SamplingParams
 
@@ -130,3 +131,33 @@ def test_prefix_lookup_stops_at_first_miss_and_leaves_last_token():
     assert len(kv.computed_blocks(longer)) == 3
     diverged = Request("d", [0, 1, 2, 3, 9, 9, 9, 9, 8, 9, 10, 11, 5], SamplingParams(), BLOCK)
     assert len(kv.computed_blocks(diverged)) == 1
+
+
+def test_update_after_step_caches_full_blocks_and_fails_requests_alone():
+    """The scheduler's post-step bookkeeping: every scheduled request advances by its new
+    tokens and caches its full blocks; an error in one request's caching goes to on_error
+    and leaves the others' updates whole. ``completing`` is fixed when scheduled."""
+    kv = KVCacheManager(16, BLOCK)
+    scheduler = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    good = Request("good", list(range(9)), SamplingParams(), BLOCK)
+    bad = Request("bad", list(range(9)), SamplingParams(), BLOCK, cache_salt="poison")
+    scheduler.add(good)
+    scheduler.add(bad)
+    step = scheduler.schedule()
+    assert [(item.request, item.block_ids) for item in step.scheduled] == [
+        (good, kv.block_ids(good)), (bad, kv.block_ids(bad))]
+    real_cache_blocks = kv.cache_blocks
+
+    def cache_blocks(request):
+        if request is bad:
+            raise RuntimeError("poisoned")
+        real_cache_blocks(request)
+
+    kv.cache_blocks = cache_blocks
+    failed = []
+    scheduler.update_after_step(step, lambda request, error: failed.append((request, str(error))))
+    assert failed == [(bad, "poisoned")]
+    assert good.num_computed_tokens == bad.num_computed_tokens == 9
+    assert step.completing == [good, bad]
+    assert kv.cached_prefix_len(good.token_ids, good.block_hashes) == 8
+    assert kv.cached_prefix_len(bad.token_ids, bad.block_hashes) == 0

@@ -10,32 +10,46 @@ Each step the scheduler
    behind it, so none starves) while seats (max_num_seqs) and budget remain.
 A prompt longer than the remaining budget is split over steps (chunked prefill).
 A request whose in-flight sampled token (asynchronous scheduling) is certainly its
-last gets no tokens: it ends once that token is read (``_ends_with_pending_token``).
+last gets no tokens: it ends once that token is read (``_ends_with_inflight_token``).
+After the model ran the step, ``update_after_step`` records what it computed.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..request import Request, RequestStatus
 from .kv_cache_manager import KVCacheManager, SwapPlan
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
+    """A request's share of one step: ``num_new_tokens`` tokens from its
+    ``num_computed_tokens`` on, whose KV goes into ``block_ids`` (its block table, final
+    once the request is scheduled: later allocations this step touch other tables only).
+
+    ``completes_sequence`` is fixed when the request is scheduled: True when, after the
+    step, every token of the request has KV, so it gets a logits row and samples.
+    """
+
     request: Request
     num_new_tokens: int
+    block_ids: list[int]
+    completes_sequence: bool = field(init=False)
 
-    @property
-    def completes_sequence(self) -> bool:
-        """True when, after this step, every token of the request has KV (so it samples)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.completes_sequence = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
+    """One step's plan: the scheduled requests, in the order the model runner packs them;
+    the block copies (copy-on-write) and swaps to apply before the forward pass; the
+    requests preempted to make room."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swaps: SwapPlan = field(default_factory=SwapPlan)
@@ -44,6 +58,11 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def completing(self) -> list[Request]:
+        """The requests that sample this step; the i-th owns row i of the step's logits."""
+        return [item.request for item in self.scheduled if item.completes_sequence]
 
 
 class Scheduler:
@@ -65,9 +84,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def add_running(self, request: Request) -> None:
-        """A forked sibling joins the running set right after its parent."""
-        self.running.append(request)
+    def add_fork(self, parent: Request, child: Request) -> None:
+        """``child`` (from ``parent.fork``) shares every block of the parent, copy-on-write,
+        and joins the running set at its end."""
+        self.kv.fork(parent, child)
+        self.running.append(child)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -91,6 +112,22 @@ class Scheduler:
         out.block_copies, out.swaps = self.kv.take_step_transfers()
         return out
 
+    def update_after_step(self, step: SchedulerOutput, on_error: Callable[[Request, Exception], None]) -> None:
+        """After the model ran ``step``: each scheduled request has KV for its new tokens, and
+        its newly full blocks go to the prefix cache. An error in one request's caching is
+        passed to ``on_error(request, error)`` at once (which fails that request alone); the
+        others are updated all the same."""
+        for item in step.scheduled:
+            item.request.num_computed_tokens += item.num_new_tokens
+            try:
+                self.kv.cache_blocks(item.request)
+            except Exception as error:
+                on_error(item.request, error)
+
+    def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        """The step's share of a request whose slots are allocated (its table is final)."""
+        return ScheduledRequest(request, num_new_tokens, self.kv.block_ids(request))
+
     def _chunk(self, request: Request, budget: int, num_computed: int | None = None) -> int:
         """How many of the request's uncomputed tokens fit the budget (0: none)."""
         if num_computed is None:
@@ -104,7 +141,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = 0 if self._ends_with_pending_token(request) else self._chunk(request, budget)
+            num_new = 0 if self._ends_with_inflight_token(request) else self._chunk(request, budget)
             if num_new == 0:
                 index += 1
                 continue
@@ -114,16 +151,16 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                out.scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
                 index += 1
         return budget
 
-    def _ends_with_pending_token(self, request: Request) -> bool:
+    def _ends_with_inflight_token(self, request: Request) -> bool:
         """True when the token still on the device (asynchronous scheduling) is certainly the
         request's last (max_tokens or max_model_len reached): it ends once that token is read,
         so computing past it would only be thrown away."""
-        if not request.num_pending_tokens:
+        if not request.num_inflight_tokens:
             return False
         max_tokens = request.params.max_tokens
         return ((max_tokens is not None and request.num_tokens - request.num_prompt_tokens >= max_tokens)
@@ -147,7 +184,7 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
-        request.num_pending_tokens = 0
+        request.num_inflight_tokens = 0
         self._requeue(request)
 
     def _requeue(self, request: Request) -> None:
@@ -186,7 +223,7 @@ class Scheduler:
             self.swapped.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         return budget
 
@@ -207,6 +244,6 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 

@@ -1,14 +1,19 @@
-"""Turns a scheduler step into tensors, runs the model and returns logits.
+"""Runs a scheduled step on the device: the forward pass, then sampling.
 
 For each scheduled request the step feeds tokens [num_computed, num_computed + n):
 input_ids and positions packed request after request, each token's cache slot
 (slot_mapping), the block tables, the context lengths after the step, and the
 packed offsets (query_start_loc). Logits are computed only at the last token of
-requests whose every token has KV after the step (those sample).
+requests whose every token has KV after the step (``step.completing``: those sample).
 
-Nothing here waits for the device: the inputs go over in two non-blocking copies,
-and a decode whose input token is still on the device (sampled by the previous
-step, not yet read back) takes it from there.
+The engine calls ``execute`` (launch the forward pass), reads the previous step's
+tokens, then ``sample`` with its plan: a sequence's sampling parameters depend on
+the tokens read in between (penalties, min_tokens, a stop that ended it).
+
+Nothing here waits for the device: the inputs go over in non-blocking copies, a
+decode whose input token is still on the device (sampled by the previous step, not
+yet read back) takes it from there, and the samples start back to the host without
+waiting (``InflightTokens``).
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ import torch
 from .. import kernels
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..models.attention import AttentionMetadata
+from ..request import Request
 from .cuda_graphs import StepGraphs
 from .kv_cache import KVCacheTensors
-from .transfer import host_to_device
+from .sampler import Sample, Sampler, SamplerOutput, SamplingBatch, unpack_samples
+from .transfer import device_to_host, host_to_device
 
 
-@dataclass
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -33,22 +40,57 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the hidden states whose logits are needed
 
 
-@dataclass
-class PendingTokens:
-    """The previous step's sampled tokens, still on the device: row ``rows[request_id]``
-    of ``token_ids`` is that request's pending token."""
+@dataclass(slots=True)
+class SamplingRow:
+    """One sequence that samples this step: ``request`` draws its next token from row
+    ``logits_row`` of the step's logits with its own parameters and generator (n > 1
+    siblings forked this step share their parent's row)."""
 
-    token_ids: torch.Tensor  # [N] int64, on the device
+    request: Request
+    logits_row: int
+
+
+@dataclass(slots=True)
+class InflightTokens:
+    """A step's sampled tokens, from the sampler until the engine has read them.
+
+    Row i belongs to ``requests[i]`` (``rows`` maps request ids back to rows), whose
+    ``num_inflight_tokens`` is 1 from ``start`` until the engine appends the token it
+    ``read``. ``token_ids`` stays on the device: with asynchronous scheduling the next
+    step's decodes take their input ids from it before the host has the tokens. ``host``
+    is the samples' copy (``SamplerOutput.table``), complete once ``ready`` fired.
+    """
+
+    requests: list[Request]
     rows: dict[str, int]
+    token_ids: torch.Tensor  # [N] int64, on the device
+    host: torch.Tensor  # [N, 2 + 2k] float64 on the host, once ready
+    ready: torch.cuda.Event | None  # None: the copy is done at once
+    num_logprobs: list[int]
+
+    @classmethod
+    def start(cls, requests: list[Request], sampled: SamplerOutput) -> InflightTokens:
+        """Mark each request's token as in flight and start copying the samples to the host."""
+        for request in requests:
+            request.num_inflight_tokens = 1
+        host, ready = device_to_host(sampled.table())
+        rows = {request.request_id: row for row, request in enumerate(requests)}
+        return cls(requests, rows, sampled.token_ids, host, ready, sampled.num_logprobs)
+
+    def read(self) -> list[Sample]:
+        """Wait for the copy (not for device work queued after it); sample i is requests[i]'s."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return unpack_samples(self.host, self.num_logprobs)
 
 
-def _pending_source(pending: PendingTokens | None, item: ScheduledRequest) -> int:
-    """The row of ``pending`` that holds the input token of ``item``, a one-token decode."""
+def _inflight_row(inflight: InflightTokens | None, item: ScheduledRequest) -> int:
+    """The row of ``inflight`` that holds the input token of ``item``, a one-token decode."""
     request = item.request
-    if pending is None or item.num_new_tokens != 1 or request.request_id not in pending.rows:
+    if inflight is None or item.num_new_tokens != 1 or request.request_id not in inflight.rows:
         raise RuntimeError(f"request {request.request_id!r} is scheduled past its known tokens "
-                           "without a pending sampled token to feed")
-    return pending.rows[request.request_id]
+                           "without an in-flight sampled token to feed")
+    return inflight.rows[request.request_id]
 
 
 def _pad_rows(rows: list[list[int]]) -> list[list[int]]:
@@ -77,13 +119,17 @@ def _store_weights_column_major(model: torch.nn.Module) -> None:
 
 
 class ModelRunner:
+    """The device side of a step: model, KV cache tensors, CUDA graphs and the sampler."""
+
     def __init__(self, model: torch.nn.Module, cache: KVCacheTensors, block_size: int,
-                 device: torch.device):
+                 device: torch.device, eos_token_id: int | None = None):
         self.model = model
         self.cache = cache
         self.block_size = block_size
         self.device = device
+        self.eos_token_id = eos_token_id  # the tokenizer's; min_tokens keeps it from being sampled
         self.ops = kernels.ops_for(device)
+        self.sampler = Sampler()
         self.graphs: StepGraphs | None = None
         if device.type == "cpu":
             _store_weights_column_major(model)
@@ -96,57 +142,60 @@ class ModelRunner:
                                  max_blocks, self.device)
         self.graphs.capture()
 
-    def prepare(self, step: SchedulerOutput, block_tables: list[list[int]],
-                pending: PendingTokens | None = None) -> StepInputs:
-        """Pack the step's tokens; block_tables[i] is the table of step.scheduled[i].
+    def prepare(self, step: SchedulerOutput, inflight: InflightTokens | None = None) -> StepInputs:
+        """Pack the step's tokens over each request's ``block_ids``.
 
         A request whose last token is still on the device (asynchronous scheduling)
-        decodes it: its input id is copied on the device from ``pending``.
+        decodes it: its input id is copied on the device from ``inflight``.
         """
         input_ids, positions, slots, context_lens, starts, logits_rows = [], [], [], [], [0], []
-        pending_rows, pending_sources = [], []
-        for item, table in zip(step.scheduled, block_tables):
-            request = item.request
-            begin = request.num_computed_tokens
+        inflight_rows, inflight_sources = [], []
+        for item in step.scheduled:
+            begin = item.request.num_computed_tokens
             end = begin + item.num_new_tokens
-            known = request.token_ids[begin:end]
-            if len(known) < item.num_new_tokens:  # its pending token: filled in on the device
-                pending_rows.append(len(input_ids))
-                pending_sources.append(_pending_source(pending, item))
+            known = item.request.token_ids[begin:end]
+            if len(known) < item.num_new_tokens:  # its in-flight token: filled in on the device
+                inflight_rows.append(len(input_ids))
+                inflight_sources.append(_inflight_row(inflight, item))
             input_ids.extend(known + [0] * (item.num_new_tokens - len(known)))
             positions.extend(range(begin, end))
-            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size
+            slots.extend(item.block_ids[p // self.block_size] * self.block_size + p % self.block_size
                          for p in range(begin, end))
             context_lens.append(end)
             starts.append(starts[-1] + item.num_new_tokens)
             if item.completes_sequence:
                 logits_rows.append(starts[-1] - 1)
-        longs = _split_on_device([input_ids, positions, slots, logits_rows, pending_rows, pending_sources],
+        longs = _split_on_device([input_ids, positions, slots, logits_rows, inflight_rows, inflight_sources],
                                  torch.int64, self.device)
-        tables = _pad_rows(block_tables)
+        input_ids_t, positions_t, slots_t, logits_rows_t, inflight_rows_t, inflight_sources_t = longs
+        meta = self._attention_metadata(step, slots_t, context_lens, starts)
+        if inflight_rows:
+            input_ids_t.index_copy_(0, inflight_rows_t, inflight.token_ids.index_select(0, inflight_sources_t))
+        return StepInputs(input_ids_t, positions_t, meta, logits_rows_t)
+
+    def _attention_metadata(self, step: SchedulerOutput, slot_mapping: torch.Tensor,
+                            context_lens: list[int], starts: list[int]) -> AttentionMetadata:
+        """The step's attention metadata; its integer columns go over in one copy."""
+        tables = _pad_rows([item.block_ids for item in step.scheduled])
         ints = _split_on_device([context_lens, starts, [b for row in tables for b in row]],
                                 torch.int32, self.device)
-        input_ids_t, positions_t, slots_t, logits_rows_t, pending_rows_t, pending_sources_t = longs
-        if pending_rows:
-            input_ids_t.index_copy_(0, pending_rows_t, pending.token_ids.index_select(0, pending_sources_t))
-        meta = AttentionMetadata(
-            slot_mapping=slots_t,
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
             block_tables=ints[2].view(len(tables), -1),
             context_lens=ints[0],
             query_start_loc=ints[1],
             decode_only=all(item.num_new_tokens == 1 for item in step.scheduled),
             ops=self.ops)
-        return StepInputs(input_ids_t, positions_t, meta, logits_rows_t)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, block_tables: list[list[int]],
-                pending: PendingTokens | None = None) -> torch.Tensor:
-        """Apply the step's block moves, launch the model, return logits [num_completing, vocab]:
-        one row per scheduled request whose every token has KV after the step, in order."""
+    def execute(self, step: SchedulerOutput, inflight: InflightTokens | None = None) -> torch.Tensor:
+        """Apply the step's block moves and launch the model; returns the logits
+        [len(step.completing), vocab], row i for ``step.completing[i]``. ``inflight``: the
+        previous step's tokens, still on the device (asynchronous scheduling)."""
         self.cache.apply(step.block_copies, step.swaps)
         if not step.scheduled:
             return torch.empty(0, device=self.device)
-        inputs = self.prepare(step, block_tables, pending)
+        inputs = self.prepare(step, inflight)
         shape = None if self.graphs is None else self.graphs.shape_for(
             len(step.scheduled), step.num_tokens, inputs.meta.decode_only)
         if shape is not None:
@@ -154,3 +203,17 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache.device_layers, inputs.meta)
         return self.model.compute_logits(hidden[inputs.logits_indices], self.ops)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, plan: list[SamplingRow]) -> InflightTokens | None:
+        """Sample the next token of every sequence in ``plan`` from its row of ``logits`` (from
+        ``execute``) and start copying the tokens to the host; None when nothing samples."""
+        if not plan:
+            return None
+        requests = [row.request for row in plan]
+        batch = SamplingBatch.from_params(
+            [r.params for r in requests], [r.generator for r in requests],
+            [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+            self.device, self.eos_token_id)
+        rows = host_to_device([row.logits_row for row in plan], torch.int64, self.device)
+        return InflightTokens.start(requests, self.sampler(logits[rows], batch))

@@ -16,12 +16,13 @@ Invariants:
 - A row's result depends only on its own logits, parameters and generator, never on
   its batch neighbours: neutral parameters (k = 0, p = 1, min_p = 0, penalties off)
   leave logits bit-identical, and a seeded row's noise comes from its generator only.
-- Nothing here copies from device to host; ``SamplerOutput.copy_to_host`` does it once.
+- Nothing here copies from device to host but ``SamplerOutput.to_host``; a caller that
+  reads the samples later copies ``SamplerOutput.table()`` (one transfer) and unpacks
+  it with ``unpack_samples`` (the model runner's InflightTokens does so).
 - The caller's logits tensor is never modified.
 
 Use per step: ``batch = SamplingBatch.from_params(...)`` (its small host->device copies
-are non-blocking on CUDA), ``samples = Sampler()(logits, batch).to_host()``, or
-``.copy_to_host()`` to read the samples later without waiting for newer device work.
+are non-blocking on CUDA), then ``samples = Sampler()(logits, batch).to_host()``.
 """
 
 from __future__ import annotations
@@ -204,44 +205,20 @@ class SamplerOutput:
 
     def to_host(self) -> list[Sample]:
         """Copy everything to the host and wait for it."""
-        return self.copy_to_host().result()
+        return unpack_samples(self.table().cpu(), self.num_logprobs)
 
-    def copy_to_host(self) -> HostSamples:
-        """Start copying everything to the host in one transfer (float64 keeps ids exact)."""
+    def table(self) -> torch.Tensor:
+        """Everything in one tensor [N, 2 + 2k] float64 (exact for token ids) on the device, so
+        that one transfer brings it to the host: token, logprob, top ids (k), top logprobs (k)."""
         columns = [self.token_ids.unsqueeze(1), self.logprobs.unsqueeze(1)]
         if self.top_token_ids is not None:
             columns += [self.top_token_ids, self.top_logprobs]
-        return HostSamples.start(torch.cat([c.to(torch.float64) for c in columns], dim=1),
-                                 self.num_logprobs)
+        return torch.cat([c.to(torch.float64) for c in columns], dim=1)
 
 
-@dataclass
-class HostSamples:
-    """A step's samples on their way to the host.
-
-    On CUDA the copy goes into pinned memory without blocking, and ``result`` waits
-    on an event recorded right after it: work queued on the device later (the next
-    step) does not delay the result. Elsewhere the copy is done at once.
-    """
-
-    table: torch.Tensor  # [N, 2 + 2k] float64 on the host, once ready
-    ready: torch.cuda.Event | None
-    num_logprobs: list[int]
-
-    @classmethod
-    def start(cls, table: torch.Tensor, num_logprobs: list[int]) -> HostSamples:
-        if table.device.type != "cuda":
-            return cls(table, None, num_logprobs)
-        host = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
-        host.copy_(table, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(host, ready, num_logprobs)
-
-    def result(self) -> list[Sample]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return [_row_sample(row, n) for row, n in zip(self.table.tolist(), self.num_logprobs)]
+def unpack_samples(table: torch.Tensor, num_logprobs: list[int]) -> list[Sample]:
+    """The samples of a ``SamplerOutput.table()`` on the host; row i keeps num_logprobs[i] top ones."""
+    return [_row_sample(row, n) for row, n in zip(table.tolist(), num_logprobs)]
 
 
 def _row_sample(row: list[float], num_logprobs: int) -> Sample:

@@ -7,27 +7,38 @@
 
 import logging
 import os
+import sys
 
-from .config import EngineArgs
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import BeamSearchParams, SamplingParams
+if "torch" not in sys.modules:
+    # OpenMP threads that spin while waiting fight any other work for the cores (see
+    # worker/cpu_threads.py); passive waiting must be chosen before torch starts OpenMP.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-__version__ = "0.1.0"
+from .config import EngineArgs  # noqa: E402  (after the OpenMP setting)
+from .outputs import CompletionOutput, RequestOutput  # noqa: E402
+from .sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
+
+__version__ = "0.2.0"
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "BeamSearchParams",
-           "RequestOutput", "CompletionOutput", "__version__"]
+           "RequestOutput", "CompletionOutput", "configure_logging", "__version__"]
 
-def _configure_logging() -> None:
-    """Log INFO (the pool size at start, ...) to stderr; PAGEDRAG_LOG_LEVEL changes the level."""
+
+def configure_logging(level: str | None = None) -> None:
+    """Print pagedrag's log (the pool size at start, the periodic stats line, warnings) to
+    stderr at ``level`` (default: PAGEDRAG_LOG_LEVEL, else INFO). A library adds no handler
+    on import: the command line calls this, and so does an import with
+    PAGEDRAG_CONFIGURE_LOGGING=1; otherwise the application's logging config decides."""
     logger = logging.getLogger("pagedrag")
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s pagedrag: %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(os.environ.get("PAGEDRAG_LOG_LEVEL", "INFO").upper())
         logger.propagate = False
+    logger.setLevel((level or os.environ.get("PAGEDRAG_LOG_LEVEL", "INFO")).upper())
 
 
-_configure_logging()
+if os.environ.get("PAGEDRAG_CONFIGURE_LOGGING") == "1":
+    configure_logging()
 
 
 def __getattr__(name):

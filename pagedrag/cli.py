@@ -7,6 +7,9 @@ import argparse
 import importlib
 import sys
 
+DESCRIPTION = ("pagedrag: a paged-attention LLM engine with prefix caching for RAG pipelines. "
+               "Serve an OpenAI-compatible API, try the cache on a small RAG loop, benchmark it, "
+               "or find out why two prompts do not share cached blocks.")
 SUBCOMMANDS = {
     "serve": ("pagedrag.server.cli", "an OpenAI-compatible server with Prometheus /metrics"),
     "demo": ("pagedrag.demo", "a small RAG example with prefix-cache readouts"),
@@ -17,8 +20,14 @@ SUBCOMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="pagedrag", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    from . import __version__, configure_logging
+
+    configure_logging()
+    parser = argparse.ArgumentParser(
+        prog="pagedrag", description=DESCRIPTION,
+        epilog="Run 'pagedrag COMMAND --help' for a command's options.")
+    parser.add_argument("--version", action="version", version=f"pagedrag {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
         commands.add_parser(name, help=help_text, add_help=False)
     known, _ = parser.parse_known_args(argv[:1])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -17,6 +17,11 @@ DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
 
 
+def _arg(default, help_text: str):
+    """A field with its --help text (the CLI's flags are generated from these)."""
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass
 class EngineArgs:
     """Engine configuration.
@@ -27,25 +32,41 @@ class EngineArgs:
     memory unless kv_cache_memory_bytes says otherwise.
     """
 
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    tokenizer: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # auto: cuda when present, else cpu
-    seed: int = 0
-    load_format: str = "auto"  # auto | dummy (random weights, for benchmarks)
-    gpu_memory_utilization: float = 0.90
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
-    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
-    enforce_eager: bool = False  # True: no CUDA graphs
-    async_scheduling: bool | None = None  # None: on for CUDA, off for CPU (see LLMEngine.step)
+    model: str | None = _arg(None, "a model folder, a .gguf file, or a Hugging Face hub name (downloaded "
+                                 "unless HF_HUB_OFFLINE is set); default: the embedded SmolLM2-135M-Instruct")
+    tokenizer: str | None = _arg(None, "a tokenizer other than the model's own: a folder or hub name")
+    revision: str | None = _arg(None, "the hub revision (branch, tag or commit) of the model; default: main")
+    download_dir: str | None = _arg(None, "where hub downloads go (a Hugging Face cache folder); default: HF_HOME's")
+    hf_token: str | None = field(default=None, repr=False, metadata={  # a secret: never in a repr or log
+        "help": "token for private or gated hub models; default: HF_TOKEN or the saved login"})
+    trust_remote_code: bool = _arg(False, "let the checkpoint's own Python code run when its config or "
+                                          "tokenizer needs it (the model itself must be of the Llama family)")
+    dtype: str = _arg("auto", "weights and KV cache dtype: auto (bfloat16 on CUDA, float32 on CPU), "
+                              "float32, bfloat16 or float16")
+    device: str = _arg("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
+    seed: int = _arg(0, "seed of the engine's random state (requests without a seed of their own)")
+    load_format: str = _arg("auto", "auto (the checkpoint's weights) or dummy (random weights, for benchmarks)")
+    gpu_memory_utilization: float = _arg(0.90, "share of the device memory left after the weights that the "
+                                               "KV block pool takes")
+    kv_cache_memory_bytes: int | None = _arg(None, "KV pool size in bytes (overrides gpu_memory_utilization; "
+                                                   "on CPU the default is 10%% of available memory)")
+    num_gpu_blocks_override: int | None = _arg(None, "KV pool size in blocks, ignoring every memory budget")
+    block_size: int = _arg(16, "tokens per KV block: the unit of allocation and of prefix matching")
+    max_model_len: int | None = _arg(None, "the longest sequence (prompt + output); default: the model's")
+    max_num_seqs: int = _arg(256, "most sequences in one running batch (and the largest n per request)")
+    max_num_batched_tokens: int | None = _arg(None, "token budget of one step (default 2048 on CPU, 8192 on CUDA)")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of prompts that share a prefix")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over steps so decodes keep running")
+    preemption_mode: str = _arg("recompute", "what a full pool does to the newest request: recompute "
+                                             "(free its blocks) or swap (copy them to CPU memory)")
+    swap_space: float = _arg(4.0, "GiB of CPU memory for swapped-out blocks (preemption_mode=swap)")
+    enforce_eager: bool = _arg(False, "no CUDA graphs (debugging)")
+    async_scheduling: bool | None = _arg(None, "launch step N+1 before reading step N's tokens; default: "
+                                               "on for CUDA, off for CPU")
+    tensor_parallel_size: int = _arg(1, "GPUs to shard the model over (only 1 for now)")
+    disable_log_stats: bool = _arg(False, "no periodic stats line in the log")
+    cpu_threads: int | None = _arg(None, "threads for CPU compute; default: the physical cores this "
+                                         "process may use")
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -75,6 +96,11 @@ class EngineArgs:
              f"device must be auto, cpu or cuda[:N], got {self.device!r}"),
             (self.load_format in ("auto", "dummy"),
              f"load_format must be auto or dummy, got {self.load_format!r}"),
+            (self.tensor_parallel_size == 1,
+             f"tensor_parallel_size={self.tensor_parallel_size}: pagedrag runs on one device for now "
+             "(tensor parallelism is planned); use tensor_parallel_size=1"),
+            (self.cpu_threads is None or self.cpu_threads >= 1,
+             f"cpu_threads must be at least 1, got {self.cpu_threads}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -134,8 +134,9 @@ class InputProcessor:
     def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
                     cache_salt: str | None = None, **template_kwargs) -> ProcessedPrompt:
         """A conversation through the model's chat template (the tokenizer's, rendered in
-        Jinja's sandbox by transformers), checked like any prompt."""
-        check_conversation(conversation)
+        Jinja's sandbox by transformers; ``template_kwargs`` may carry a caller's own
+        ``chat_template`` and ``continue_final_message``), checked like any prompt."""
+        conversation = normalize_conversation(conversation)
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template, and this model has none")
         text = self.tokenizer.apply_chat_template(
@@ -162,17 +163,40 @@ class InputProcessor:
             raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
 
 
-def check_conversation(conversation: Conversation) -> None:
-    """Each message a dict with a string role and string content (ValueError otherwise)."""
+def normalize_conversation(conversation: Conversation) -> Conversation:
+    """The messages with content as one string: a list of text parts ({"type": "text",
+    "text": ...}, as OpenAI sends them) is joined with newlines, as vLLM does; null content
+    (an assistant message) is empty. Raises ValueError for anything else."""
     if isinstance(conversation, (str, Mapping)) or not isinstance(conversation, Sequence) or not conversation:
         raise ValueError("a conversation must be a non-empty list of {'role', 'content'} messages")
-    for message in conversation:
-        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-            raise ValueError(f"each chat message needs 'role' and 'content', got {message!r:.200}")
-        if not isinstance(message["role"], str):
-            raise ValueError(f"a chat message's role must be a string, got {type(message['role']).__name__}")
-        if not isinstance(message["content"], str):
-            raise ValueError(f"chat message content must be a string, got {type(message['content']).__name__}")
+    return [_normalize_message(message) for message in conversation]
+
+
+def check_conversation(conversation: Conversation) -> None:
+    """Raise ValueError unless render_chat can take the conversation."""
+    normalize_conversation(conversation)
+
+
+def _normalize_message(message: object) -> dict:
+    if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+        raise ValueError(f"each chat message needs 'role' and 'content', got {message!r:.200}")
+    role, content = message["role"], message["content"]
+    if not isinstance(role, str):
+        raise ValueError(f"a chat message's role must be a string, got {type(role).__name__}")
+    if content is None and role == "assistant":
+        content = ""
+    elif isinstance(content, list):
+        content = "\n".join(_text_of(part) for part in content)
+    elif not isinstance(content, str):
+        raise ValueError(f"chat message content must be a string or a list of text parts, "
+                         f"got {type(content).__name__}")
+    return {**message, "content": content}
+
+
+def _text_of(part: object) -> str:
+    if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, got {part!r:.200}")
+    return part["text"]
 
 
 def _longest_token_chars(tokenizer) -> int:

@@ -42,18 +42,25 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order."""
         prompts = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params, len(prompts))
+        params = _per_prompt(sampling_params, len(prompts), self.llm_engine.default_params)
         request_ids = self._add_all(prompts, params)
         return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        """Generate replies to one conversation or a list of them, through the model's chat
+        template or ``chat_template``; ``continue_final_message`` extends the last message
+        instead of opening a new one (then add_generation_prompt must be False)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))
-                   for c in conversations]
+        kwargs = {**(chat_template_kwargs or {}), "continue_final_message": continue_final_message}
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        prompts = [self.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
@@ -61,6 +68,15 @@ class LLM:
         """A prompt dict (text and token ids) for one conversation."""
         prompt = self.llm_engine.inputs.render_chat(conversation, add_generation_prompt, **kwargs)
         return {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams used when none are given: the model's generation_config
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), as vLLM's."""
+        return self.llm_engine.default_params
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (for measurements that start cold)."""
+        self.llm_engine.reset_prefix_cache()
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -116,9 +132,9 @@ def _as_prompt_list(prompts) -> list:
     return prompts
 
 
-def _per_prompt(params, count: int) -> list[SamplingParams]:
+def _per_prompt(params, count: int, default: SamplingParams) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * count
+        return [default] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)

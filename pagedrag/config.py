@@ -65,6 +65,8 @@ class EngineArgs:
                                                "on for CUDA, off for CPU")
     tensor_parallel_size: int = _arg(1, "GPUs to shard the model over (only 1 for now)")
     disable_log_stats: bool = _arg(False, "no periodic stats line in the log")
+    metrics_prefix: str = _arg("pagedrag", "prefix of the Prometheus series: pagedrag, or vllm for dashboards "
+                                           "made for vLLM")
     cpu_threads: int | None = _arg(None, "threads for CPU compute; default: the physical cores this "
                                          "process may use")
 
@@ -99,6 +101,8 @@ class EngineArgs:
             (self.tensor_parallel_size == 1,
              f"tensor_parallel_size={self.tensor_parallel_size}: pagedrag runs on one device for now "
              "(tensor parallelism is planned); use tensor_parallel_size=1"),
+            (self.metrics_prefix in ("pagedrag", "vllm"),
+             f"metrics_prefix must be pagedrag or vllm, got {self.metrics_prefix!r}"),
             (self.cpu_threads is None or self.cpu_threads >= 1,
              f"cpu_threads must be at least 1, got {self.cpu_threads}"),
         ]
@@ -109,6 +113,14 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    def model_source(self):
+        """Where load_model finds the model and tokenizer (pagedrag.models.loader.ModelSource)."""
+        from .models.hub import HubOptions
+        from .models.loader import ModelSource
+
+        return ModelSource(HubOptions(self.revision, self.download_dir, self.hf_token), self.tokenizer,
+                           self.trust_remote_code)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

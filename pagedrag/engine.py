@@ -15,10 +15,12 @@ import time
 import torch
 
 from .config import DEFAULT_CPU_KV_FRACTION, GIB_BYTES, EngineArgs
+from .core.block_pool import blocks_for
 from .core.kv_cache_manager import KVCacheManager
 from .core.scheduler import Scheduler, SchedulerOutput
 from .inputs import InputProcessor, ProcessedPrompt, PromptType
 from .metrics import EngineMetrics
+from .stats_log import StatsLog
 from .models.loader import load_model
 from .output_processor import (RequestGroup, StopPolicy, mark_first_token, new_sequence_text,
                                record_logprobs, update_text)
@@ -28,6 +30,7 @@ from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .worker.kv_cache import CacheShape, KVCacheTensors, available_cpu_memory, log_pool
 from .worker.model_runner import InflightTokens, ModelRunner, SamplingRow
+from .worker.cpu_threads import configure_cpu_threads
 from .worker.sampler import Sample
 
 logger = logging.getLogger("pagedrag")
@@ -41,8 +44,10 @@ class LLMEngine:
         self.device = args.resolved_device()
         self.dtype = args.resolved_dtype(self.device)
         torch.manual_seed(args.seed)
-        loaded = load_model(args.model, dtype=self.dtype, device=self.device,
-                            load_format=args.load_format, max_model_len=args.max_model_len)
+        if self.device.type == "cpu":
+            configure_cpu_threads(args.cpu_threads)
+        loaded = load_model(args.model, dtype=self.dtype, device=self.device, load_format=args.load_format,
+                            max_model_len=args.max_model_len, source=args.model_source())
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config
@@ -50,7 +55,7 @@ class LLMEngine:
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.vocab_size = loaded.hf_config.vocab_size
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs)
-        self.default_params = SamplingParams()
+        self.default_params = SamplingParams(**loaded.sampling_defaults)
         self.shape = CacheShape(loaded.module.num_layers, args.block_size, loaded.module.num_kv_heads,
                                 loaded.module.head_dim, self.dtype)
         self.num_blocks = self._plan_num_blocks()
@@ -67,9 +72,9 @@ class LLMEngine:
         self._failed_outputs: list[RequestOutput] = []
         self.stop_policy = StopPolicy(self.eos_token_ids, self.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
-        self.metrics = EngineMetrics(self.model_name)
+        self.metrics = EngineMetrics(self.model_name, args.metrics_prefix)
+        self.stats_log = None if args.disable_log_stats else StatsLog()
         self._request_counter = itertools.count()
-        self._reported_queries = self._reported_hits = 0
         log_pool(self.device, self.shape, self.num_blocks, self.max_model_len)
 
     @classmethod
@@ -99,7 +104,7 @@ class LLMEngine:
             num_blocks = self.shape.blocks_in(free_after_weights * args.gpu_memory_utilization)
         else:
             num_blocks = self.shape.blocks_in(available_cpu_memory() * DEFAULT_CPU_KV_FRACTION)
-        needed = -(-self.max_model_len // args.block_size)
+        needed = blocks_for(self.max_model_len, args.block_size)
         if num_blocks < needed:
             raise ValueError(
                 f"the KV pool holds {num_blocks} blocks of {args.block_size} tokens "
@@ -127,7 +132,7 @@ class LLMEngine:
         group.texts[request.request_id] = new_sequence_text(self.tokenizer, request)
         self.groups[request_id] = group
         self.scheduler.add(request)
-        self.metrics.prompt_tokens.inc(len(prompt.token_ids))
+        self.metrics.observe_prompt(len(prompt.token_ids))
         return request_id
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -306,18 +311,13 @@ class LLMEngine:
         status = update_text(group.texts[seq.request_id], seq, finishing=status is not None) or status
         if status is not None:
             self.scheduler.finish(seq, status)
-            if group.finished:
-                self.metrics.request_success.inc()
+            self.metrics.request_finished(status.value, seq.metrics, seq.num_output_tokens)
 
     def _observe_latency(self, seq: Request) -> None:
         previous = seq.metrics.last_token_time
         ttft = mark_first_token(seq)
-        if ttft is not None:
-            self.metrics.ttft.observe(ttft)
         seq.metrics.last_token_time = time.monotonic()
-        if previous is not None:
-            self.metrics.itl.observe(seq.metrics.last_token_time - previous)
-        self.metrics.generation_tokens.inc()
+        self.metrics.observe_token(ttft, None if previous is None else seq.metrics.last_token_time - previous)
 
     def _output(self, group_id: str) -> RequestOutput:
         group = self.groups[group_id]
@@ -327,22 +327,17 @@ class LLMEngine:
         return output
 
     def _observe(self, step: SchedulerOutput) -> None:
-        stats = self.kv.prefix_stats
-        m = self.metrics
         self._observe_pool()
-        m.preemptions.inc(len(step.preempted))
-        m.prefix_queries.inc(stats.queries - self._reported_queries)
-        m.prefix_hits.inc(stats.hits - self._reported_hits)
-        self._reported_queries, self._reported_hits = stats.queries, stats.hits
+        self.metrics.preemptions.inc(len(step.preempted))
+        self.metrics.observe_prefix_cache(self.kv.prefix_stats.queries, self.kv.prefix_stats.hits)
+        if self.stats_log is not None:
+            self.stats_log.maybe_log(self.stats())
 
     def _observe_pool(self) -> None:
         """Gauges of the pool and queues (after every step and every abort)."""
-        m = self.metrics
-        m.kv_cache_usage.set(self.kv.pool.usage())
-        m.gpu_cache_usage.set(self.kv.pool.usage())
-        m.running.set(len(self.scheduler.running))
-        m.waiting.set(len(self.scheduler.waiting))
-        m.swapped.set(len(self.scheduler.swapped))
+        scheduler = self.scheduler
+        self.metrics.observe_queues(self.kv.pool.usage(), len(scheduler.running), len(scheduler.waiting),
+                                    len(scheduler.swapped))
 
     def stats(self) -> dict:
         """The engine's counters (prefix cache figures in tokens)."""
@@ -363,5 +358,7 @@ class LLMEngine:
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_requests_swapped": len(self.scheduler.swapped),
             "max_model_len": self.max_model_len,
+            "prompt_tokens": self.metrics.num_prompt_tokens,
+            "generation_tokens": self.metrics.num_generation_tokens,
             "device": str(self.device),
         }

@@ -29,6 +29,7 @@ class LLM:
         unknown = set(engine_kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; see pagedrag.EngineArgs")
+        engine_kwargs.setdefault("disable_log_stats", True)  # as vLLM's LLM: no periodic stats line
         self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
 
     def get_tokenizer(self):

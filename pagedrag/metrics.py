@@ -1,42 +1,105 @@
-"""Engine metrics: plain counters for stats() and Prometheus series (vLLM's names,
-prefix ``pagedrag:``) on a registry of the engine's own."""
+"""Engine metrics: Prometheus series with vLLM's names on a registry of the engine's own.
+
+The prefix is ``pagedrag:`` or, for dashboards built for vLLM (its Grafana dashboard
+queries these names), ``vllm:`` (EngineArgs.metrics_prefix). Every series carries a
+model_name label, as vLLM's do.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .outputs import RequestMetrics
+
+METRICS_PREFIXES = ("pagedrag", "vllm")
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class EngineMetrics:
     """Every series the engine exports; the engine updates them as it steps."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, prefix: str = "pagedrag"):
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {METRICS_PREFIXES}, got {prefix!r}")
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        self._label = {"model_name": model_name}
+        self._prefix = prefix
+        self._model = model_name
+        self.kv_cache_usage = self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self.gpu_cache_usage = self._gauge("gpu_cache_usage_perc", "Fraction of KV blocks in use (0-1); seed name.")
+        self.running = self._gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.swapped = self._gauge("num_requests_swapped", "Requests swapped out to CPU memory.")
+        self.preemptions = self._counter("num_preemptions", "Preemptions of running requests.")
+        self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of requests admitted.")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between two output tokens.", _LATENCY_BUCKETS)
+        self.tpot = self._histogram("time_per_output_token_seconds", "Mean time per output token after the "
+                                    "first, per request.", _LATENCY_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.queue_time = self._histogram("request_queue_time_seconds", "Arrival to first scheduling.",
+                                          _REQUEST_BUCKETS)
+        self.prefill_time = self._histogram("request_prefill_time_seconds", "First scheduling to first token.",
+                                            _REQUEST_BUCKETS)
+        self.decode_time = self._histogram("request_decode_time_seconds", "First token to finish.",
+                                           _REQUEST_BUCKETS)
+        self._reported_queries = self._reported_hits = 0
+        self.num_prompt_tokens = self.num_generation_tokens = 0  # totals, for stats()
+        self._success = Counter(f"{prefix}:request_success", "Requests finished, by finished_reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
 
-        def gauge(name, doc):
-            return Gauge(f"pagedrag:{name}", doc, labels, registry=self.registry).labels(**self._label)
+    def observe_queues(self, kv_usage: float, running: int, waiting: int, swapped: int) -> None:
+        """Gauges of the pool and the queues (after every step and every abort)."""
+        self.kv_cache_usage.set(kv_usage)
+        self.gpu_cache_usage.set(kv_usage)
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.swapped.set(swapped)
 
-        def counter(name, doc):
-            return Counter(f"pagedrag:{name}", doc, labels, registry=self.registry).labels(**self._label)
+    def observe_prefix_cache(self, queries_total: int, hits_total: int) -> None:
+        """Advance the prefix-cache counters to the engine's running totals (in tokens)."""
+        self.prefix_queries.inc(queries_total - self._reported_queries)
+        self.prefix_hits.inc(hits_total - self._reported_hits)
+        self._reported_queries, self._reported_hits = queries_total, hits_total
 
-        def histogram(name, doc):
-            return Histogram(f"pagedrag:{name}", doc, labels, buckets=_LATENCY_BUCKETS,
-                             registry=self.registry).labels(**self._label)
+    def observe_prompt(self, num_tokens: int) -> None:
+        self.prompt_tokens.inc(num_tokens)
+        self.num_prompt_tokens += num_tokens
 
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
-        self.gpu_cache_usage = gauge("gpu_cache_usage_perc", "Fraction of KV blocks in use (0-1); seed name.")
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.swapped = gauge("num_requests_swapped", "Requests swapped out to CPU memory.")
-        self.preemptions = counter("num_preemptions", "Preemptions of running requests.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests admitted.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.request_success = counter("request_success", "Requests finished (any reason but abort).")
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
-        self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens.")
+    def observe_token(self, ttft: float | None, since_previous: float | None) -> None:
+        """One generated token: its TTFT if it is a sequence's first, else the gap to the previous."""
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if since_previous is not None:
+            self.itl.observe(since_previous)
+        self.generation_tokens.inc()
+        self.num_generation_tokens += 1
+
+    def request_finished(self, reason: str, times: RequestMetrics, num_output_tokens: int) -> None:
+        """Count a finished sequence and observe its latencies (times that are unknown, as for
+        a request aborted before it ran, are skipped)."""
+        self._success.labels(model_name=self._model, finished_reason=reason).inc()
+        spans = [(self.e2e, times.arrival_time, times.finished_time),
+                 (self.queue_time, times.arrival_time, times.first_scheduled_time),
+                 (self.prefill_time, times.first_scheduled_time, times.first_token_time),
+                 (self.decode_time, times.first_token_time, times.finished_time)]
+        for histogram, start, end in spans:
+            if start is not None and end is not None:
+                histogram.observe(end - start)
+        if num_output_tokens > 1 and times.first_token_time is not None and times.finished_time is not None:
+            self.tpot.observe((times.finished_time - times.first_token_time) / (num_output_tokens - 1))
+
+    def _gauge(self, name: str, doc: str):
+        return Gauge(f"{self._prefix}:{name}", doc, ["model_name"], registry=self.registry).labels(self._model)
+
+    def _counter(self, name: str, doc: str):
+        return Counter(f"{self._prefix}:{name}", doc, ["model_name"], registry=self.registry).labels(self._model)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
+        return Histogram(f"{self._prefix}:{name}", doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self._model)

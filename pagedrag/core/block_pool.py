@@ -20,6 +20,11 @@ from dataclasses import dataclass
 from .block_hash import BlockHash
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks hold ``num_tokens`` tokens (the last one may be partly filled)."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass(slots=True)
 class KVBlock:
     block_id: int

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..request import Request
-from .block_pool import BlockPool, KVBlock
+from .block_pool import BlockPool, KVBlock, blocks_for
 
 
 @dataclass
@@ -95,7 +95,7 @@ class KVCacheManager:
         hits = new_computed_blocks or []
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens
-        num_needed = -(-total // self.block_size) - len(table) - len(hits)
+        num_needed = blocks_for(total, self.block_size) - len(table) - len(hits)
         shared = self._shared_block_to_write(table, num_computed)
         evictable_hits = sum(1 for block in hits if block.ref_count == 0)
         if num_needed + int(shared is not None) + evictable_hits > self.pool.num_free:

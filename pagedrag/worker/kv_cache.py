@@ -10,6 +10,7 @@ from types import ModuleType
 import torch
 
 from ..config import GIB_BYTES
+from ..core.block_pool import blocks_for
 from ..core.kv_cache_manager import SwapPlan
 from .transfer import host_to_device
 
@@ -86,7 +87,7 @@ def available_cpu_memory() -> int:
 
 def log_pool(device: torch.device, shape: CacheShape, num_blocks: int, max_model_len: int) -> None:
     name = "num_gpu_blocks" if device.type == "cuda" else "num_cpu_blocks"
-    per_seq = -(-max_model_len // shape.block_size)
+    per_seq = blocks_for(max_model_len, shape.block_size)
     logger.info("%s=%d (block_size=%d, %.3f GiB KV pool); %d sequences of max_model_len=%d fit",
                 name, num_blocks, shape.block_size, num_blocks * shape.bytes_per_block / GIB_BYTES,
                 num_blocks // per_seq, max_model_len)

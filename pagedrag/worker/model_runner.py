@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..core.block_pool import blocks_for
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..models.attention import AttentionMetadata
 from ..request import Request
@@ -137,7 +138,7 @@ class ModelRunner:
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Capture CUDA graphs of decode steps (up to max_batch sequences) and of small
         single-sequence prefills (CUDA only)."""
-        max_blocks = -(-max_model_len // self.block_size)
+        max_blocks = blocks_for(max_model_len, self.block_size)
         self.graphs = StepGraphs(self.model, self.cache.device_layers, self.ops, max_batch,
                                  max_blocks, self.device)
         self.graphs.capture()

@@ -1,0 +1,32 @@
+"""The periodic one-line stats log, as vLLM prints it (EngineArgs.disable_log_stats turns it off)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger("pagedrag")
+LOG_INTERVAL_S = 5.0
+
+
+class StatsLog:
+    """Logs throughput since the last line, the queues, KV usage and the prefix hit rate,
+    at most every ``interval_s`` while the engine steps (an idle engine logs nothing)."""
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S):
+        self.interval_s = interval_s
+        self._last_time = time.monotonic()
+        self._last_prompt = self._last_generated = 0
+
+    def maybe_log(self, stats: dict) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_time
+        if elapsed < self.interval_s:
+            return
+        prompt, generated = stats["prompt_tokens"], stats["generation_tokens"]
+        logger.info("prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d reqs, "
+                    "waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+                    (prompt - self._last_prompt) / elapsed, (generated - self._last_generated) / elapsed,
+                    stats["num_requests_running"], stats["num_requests_waiting"],
+                    100 * stats["kv_cache_usage_perc"], 100 * stats["prefix_cache_hit_rate"])
+        self._last_time, self._last_prompt, self._last_generated = now, prompt, generated

@@ -124,10 +124,12 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt = self.inputs.process(prompt, cache_salt)
+        prompt = self.inputs.process(prompt, cache_salt, params.truncate_prompt_tokens)
         request = Request(request_id, prompt.token_ids, params, self.args.block_size, prompt.cache_salt,
                           prompt=prompt.text, generator=self._generator(params, 0))
         request.pending_forks = params.n - 1
+        if params.bad_words:
+            request.bad_words_token_ids = self.inputs.bad_words_token_ids(params)
         group = RequestGroup(request_id, prompt.text, prompt.token_ids, params.n, [request])
         group.texts[request.request_id] = new_sequence_text(self.tokenizer, request)
         self.groups[request_id] = group

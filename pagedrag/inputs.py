@@ -10,7 +10,6 @@ whatever passes cannot make a step fail.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -52,16 +51,18 @@ class InputProcessor:
         return clone
 
     # ---- prompts ------------------------------------------------------------------
-    def process(self, prompt: PromptType, cache_salt: str | None = None) -> ProcessedPrompt:
+    def process(self, prompt: PromptType, cache_salt: str | None = None,
+                truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
         """Tokenize and check a prompt given as text, token ids or a prompt dict; the
-        ``cache_salt`` argument wins over the dict's. Raises ValueError / TypeError."""
+        ``cache_salt`` argument wins over the dict's; ``truncate_prompt_tokens`` keeps the
+        last k tokens (the text is then dropped). Raises ValueError / TypeError."""
         if isinstance(prompt, ProcessedPrompt):
-            if cache_salt is None:
-                return prompt
-            self._check_salt(cache_salt)
-            return dataclasses.replace(prompt, cache_salt=cache_salt)
-        text, token_ids, dict_salt = self._parse(prompt)
-        salt = cache_salt if cache_salt is not None else dict_salt
+            text, token_ids, salt = prompt.text, prompt.token_ids, prompt.cache_salt
+        else:
+            text, token_ids, salt = self._parse(prompt)
+        salt = cache_salt if cache_salt is not None else salt
+        if truncate_prompt_tokens is not None and len(token_ids) > truncate_prompt_tokens:
+            text, token_ids = None, token_ids[-truncate_prompt_tokens:]
         self._check_salt(salt)
         self.check_prompt_ids(token_ids)
         return ProcessedPrompt(text, token_ids, salt)
@@ -159,8 +160,18 @@ class InputProcessor:
             raise ValueError(f"n={params.n} completions need more sequences than max_num_seqs="
                              f"{self.max_num_seqs} lets run at once")
         self._check_in_vocab("stop_token_ids", params.stop_token_ids)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none; use stop_token_ids")
+        self._check_in_vocab("logit_bias token ids", list(params.logit_bias))
+        self._check_in_vocab("allowed_token_ids", params.allowed_token_ids)
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            raise ValueError("stop strings and bad_words need a tokenizer, and this model has none; "
+                             "use stop_token_ids / logit_bias")
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (as vLLM tokenizes them), so
+        the word is banned at the start of the output and inside it."""
+        variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                    for word in params.bad_words for text in (word, " " + word.lstrip())}
+        return [list(ids) for ids in variants if ids]
 
 
 def normalize_conversation(conversation: Conversation) -> Conversation:

@@ -14,6 +14,7 @@ MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI and vLLM's default max_lo
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_LIST = 1 << 17  # logit_bias entries / allowed_token_ids (a large vocabulary's size)
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 GREEDY_TEMPERATURE = 1e-5  # below: greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # below, and above GREEDY_TEMPERATURE: raised to this (vLLM's _MAX_TEMP)
@@ -45,12 +46,20 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words never generated (their last token is banned in context)
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {check_int("a logit_bias token id", int(k) if isinstance(k, str) and k.isdigit() else k):
+                           check_float("a logit_bias value", v) for k, v in (self.logit_bias or {}).items()}
+        self.allowed_token_ids = list(self.allowed_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0
@@ -60,7 +69,7 @@ class SamplingParams:
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             check_int(name, getattr(self, name))
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "truncate_prompt_tokens"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -70,6 +79,12 @@ class SamplingParams:
             check_bool(name, getattr(self, name))
         for token_id in self.stop_token_ids:
             check_int("stop_token_ids", token_id)
+        for token_id in self.allowed_token_ids:
+            check_int("allowed_token_ids", token_id)
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word:
+                raise TypeError("bad_words must hold non-empty strings")
+            check_utf8("a bad word", word)
         for stop in self.stop:
             if not isinstance(stop, str):
                 raise TypeError(f"stop must hold strings, got {type(stop).__name__}")
@@ -100,6 +115,13 @@ class SamplingParams:
              f"a stop string may hold at most {MAX_STOP_STRING_CHARS} characters"),
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
              f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}"),
+            (all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
+            (len(self.logit_bias) <= MAX_TOKEN_LIST, f"at most {MAX_TOKEN_LIST} logit_bias entries"),
+            (len(self.allowed_token_ids) <= MAX_TOKEN_LIST, f"at most {MAX_TOKEN_LIST} allowed_token_ids"),
+            (len(self.bad_words) <= MAX_STOP_STRINGS and all(len(w) <= MAX_STOP_STRING_CHARS for w in self.bad_words),
+             f"at most {MAX_STOP_STRINGS} bad_words of at most {MAX_STOP_STRING_CHARS} characters"),
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+             f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}"),
         ]
         for ok, message in checks:
             if not ok:

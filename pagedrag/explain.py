@@ -5,21 +5,24 @@ so a prompt reuses an earlier prompt's blocks up to the first token where the tw
 ``explain`` finds that token, the block it falls in, the text around it, and a likely
 cause; ``explain_against_engine`` does the same against what an engine has cached.
 ``add_arguments`` and ``run`` are the hooks of ``pagedrag explain``.
+
+Block sizes come from the engine: ``explain_against_engine`` reads the engine's own
+configuration, ``explain`` and the CLI default to ``EngineArgs().block_size``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pagedrag.canonical import CachedPrefixSource, detect_volatile
+from pagedrag.config import EngineArgs
+from pagedrag.rag.tokenizer import load_tokenizer
 
-BLOCK_SIZE = 16
 _WINDOW = 20  # characters of context shown on each side of the divergence
 _SNIPPET = 32  # characters after the divergence looked for elsewhere (reordering)
 _MAX_INSERTION = 160  # longer insertions are chunks moved or added, not a volatile field
@@ -44,6 +47,17 @@ ADVICE = {
                 "evicted it; compare with the earlier prompt (explain(prompt, reference)) to see what changed",
 }
 """Every cause an explanation can give, with what to do about it."""
+
+
+class ConfiguredEngine(CachedPrefixSource, Protocol):
+    """An engine that says what it caches and how: ``LLMEngine`` (``LLM.llm_engine``)."""
+
+    args: EngineArgs
+
+
+def default_block_size() -> int:
+    """The block size an engine runs with unless told otherwise."""
+    return EngineArgs().block_size
 
 
 @dataclass(frozen=True)
@@ -207,9 +221,11 @@ def _explanation(cause: str, block_size: int, num_tokens: int, matched: int, tex
 
 
 def explain(prompt: str | list[int], reference: str | list[int], tokenizer: Any,
-            block_size: int = BLOCK_SIZE) -> PrefixMissExplanation:
+            block_size: int | None = None) -> PrefixMissExplanation:
     """Why ``prompt`` (A, the new request) misses blocks that ``reference`` (B, an earlier
-    request whose blocks are cached) left. Prompts are texts or token id lists."""
+    request whose blocks are cached) left. Prompts are texts or token id lists;
+    ``block_size`` is the engine's (None: ``default_block_size()``)."""
+    block_size = default_block_size() if block_size is None else block_size
     _check_block_size(block_size)
     ids_a, text_a = _tokens_and_text(prompt, tokenizer)
     ids_b, text_b = _tokens_and_text(reference, tokenizer)
@@ -224,15 +240,15 @@ def explain(prompt: str | list[int], reference: str | list[int], tokenizer: Any,
     return _explanation(cause, block_size, len(ids_a), common, text_a, char, text_b)
 
 
-def explain_against_engine(prompt: str | list[int], engine: CachedPrefixSource, tokenizer: Any,
-                           block_size: int = BLOCK_SIZE, cache_salt: str | None = None) -> PrefixMissExplanation:
+def explain_against_engine(prompt: str | list[int], engine: ConfiguredEngine, tokenizer: Any,
+                           cache_salt: str | None = None) -> PrefixMissExplanation:
     """Where ``engine``'s prefix cache stops covering ``prompt``, and what text is there.
 
-    Only the engine's ``cached_prefix_len`` is asked; with no earlier prompt to compare
-    with, the cause is "timestamp" or "id" when such content sits in the first missed
-    block, else "uncached".
+    The engine's ``cached_prefix_len`` and block size are all that is asked; with no
+    earlier prompt to compare with, the cause is "timestamp" or "id" when such content
+    sits in the first missed block, else "uncached".
     """
-    _check_block_size(block_size)
+    block_size = engine.args.block_size
     ids, text = _tokens_and_text(prompt, tokenizer)
     cached = engine.cached_prefix_len(ids, cache_salt)
     if cached >= (len(ids) - 1) // block_size * block_size:
@@ -252,26 +268,15 @@ def _missed_block_cause(text: str, start: int, end: int) -> str:
 
 # ---- CLI: pagedrag explain -------------------------------------------------------------------
 
-def load_tokenizer(model: str | None = None) -> Any:
-    """A tokenizer: the embedded SmolLM2 GGUF's (model None), a .gguf file's, or
-    ``AutoTokenizer.from_pretrained(model)`` for a folder or hub name. Cached per model."""
-    return _load_tokenizer(model)
-
-
-@functools.lru_cache(maxsize=4)
-def _load_tokenizer(model: str | None) -> Any:
-    from .models.loader import load_tokenizer as load
-    return load(model)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``pagedrag explain A.txt B.txt [--block-size 16] [--model NAME]``."""
+    """Arguments of ``pagedrag explain A.txt B.txt [--block-size N] [--model NAME]``."""
     parser.add_argument("files", nargs="*", metavar="FILE",
                         help="prompt files: A (the new request), then B (the earlier one); "
                              "a side given with --text-a/--text-b takes no file")
     parser.add_argument("--text-a", help="prompt A as a literal string")
     parser.add_argument("--text-b", help="prompt B as a literal string")
-    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="KV cache block size in tokens")
+    parser.add_argument("--block-size", type=int, default=default_block_size(),
+                        help="KV cache block size in tokens (default: the engine's, %(default)s)")
     parser.add_argument("--model", default=None,
                         help="tokenizer: a model folder, hub name or .gguf file (default: the embedded SmolLM2)")
 

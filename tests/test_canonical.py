@@ -1,6 +1,7 @@
 """The prompt canonicalizer: layout, orders, token-prefix stability, budget, bad input."""
 
 import os
+import typing
 import warnings
 
 import pytest
@@ -8,9 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, pre_tokenizers
 
-from pagedrag.canonical import (Chunk, PromptCanonicalizer, VolatileSystemPromptWarning, as_chunk,
+from pagedrag.canonical import (ORDERS, Chunk, PromptCanonicalizer, VolatileSystemPromptWarning, as_chunk,
                                 canonical_order, detect_volatile)
-from pagedrag.explain import load_tokenizer
+from pagedrag.rag.ordering import ChunkOrder, canonical_items, check_cache_aware
+from pagedrag.rag.tokenizer import load_tokenizer
 
 BLOCK = 16
 CHUNK_END = "</document>"
@@ -172,6 +174,38 @@ def test_cache_aware_falls_back_to_stable_order(tok):
         canonical_order(CHUNKS, "cache_aware")
     with pytest.raises(ValueError, match="order"):
         canonical_order(CHUNKS, "random")
+
+
+# ---- the integrations' ordering helper -------------------------------------------------------
+
+def test_the_integrations_offer_every_order():
+    assert set(typing.get_args(ChunkOrder)) == set(ORDERS)
+    check_cache_aware("stable", None)
+    with pytest.raises(ValueError, match="llm="):
+        check_cache_aware("cache_aware", None)
+
+
+def test_canonical_items_cache_aware_asks_about_the_leading_items():
+    items = [{"id": source, "body": f"text of {source}"} for source in ("c", "a", "b")]
+    asked = []
+
+    def cached_len(leading):  # a cache that holds the prompt starting with "b"
+        asked.append([item["id"] for item in leading])
+        return 40 if leading[:1] == [items[2]] else 0
+
+    def to_chunk(item):
+        return Chunk(item["body"], item["id"])
+
+    ordered = canonical_items(items, to_chunk, None, "cache_aware", cached_len=cached_len)
+    assert [item["id"] for item in ordered] == ["b", "a", "c"]  # the cached one, then stable
+    assert asked[0] == [] and ["b"] in asked
+    assert canonical_items(items, to_chunk, None) == [items[1], items[2], items[0]]
+
+
+def test_canonical_items_fits_the_budget_by_the_canonicalizer_rule(tok):
+    items = [("x" * 3000, "s", 1), ("short text", "s", 0)]
+    cut = canonical_items(items, as_chunk, lambda item, text: (text, *item[1:]), max_tokens=50, tokenizer=tok)
+    assert cut[0] == items[1] and cut[1][0] != items[0][0] and items[0][0].startswith(cut[1][0])
 
 
 # ---- token-prefix stability ----------------------------------------------------------------

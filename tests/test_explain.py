@@ -5,7 +5,9 @@ import argparse
 import pytest
 
 from pagedrag.canonical import Chunk, PromptCanonicalizer
-from pagedrag.explain import add_arguments, classify, explain, explain_against_engine, load_tokenizer, run
+from pagedrag.config import EngineArgs
+from pagedrag.explain import add_arguments, classify, explain, explain_against_engine, run
+from pagedrag.rag.tokenizer import load_tokenizer
 
 PREAMBLE = ("You are the support assistant of ACME Tools. Answer only from the documents below, "
             "cite the source of every claim, and say so when the documents do not answer. ")
@@ -20,10 +22,11 @@ def tok():
 
 
 class FixedEngine:
-    """An engine whose cache covers a fixed number of leading tokens."""
+    """An engine whose cache covers a fixed number of leading tokens, in blocks of block_size."""
 
-    def __init__(self, cached: int):
+    def __init__(self, cached: int, block_size: int = 16):
         self.cached, self.calls = cached, []
+        self.args = EngineArgs(block_size=block_size)
 
     def cached_prefix_len(self, prompt_token_ids, cache_salt=None):
         self.calls.append((list(prompt_token_ids), cache_salt))
@@ -127,6 +130,19 @@ def test_against_an_engine(tok):
     assert f"prefix cache miss at block {stop // 16}" in str(result) and "cached up to" in str(result)
     assert explain_against_engine(PREAMBLE, FixedEngine(0), tok).cause == "uncached"
     assert explain_against_engine(a, FixedEngine(len(ids)), tok).cause == "none"
+
+
+def test_the_block_size_is_the_engines(tok):
+    a = PREAMBLE + "Current time: 2026-11-29 10:41.\n" + "\n".join(DOCS)
+    assert explain(a, a, tok).block_size == EngineArgs().block_size
+    result = explain_against_engine(a, FixedEngine(0, block_size=8), tok)
+    assert result.block_size == 8 and result.block_index == 0
+    assert _args("a.txt", "b.txt").block_size == EngineArgs().block_size
+
+
+def test_the_tokenizer_is_loaded_once_per_process(tok):
+    assert load_tokenizer() is tok
+    assert load_tokenizer().encode(PREAMBLE) == tok.encode(PREAMBLE)
 
 
 def test_bad_arguments(tok):

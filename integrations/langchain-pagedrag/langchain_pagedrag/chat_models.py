@@ -10,16 +10,17 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams, Langu
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import RunnableConfig
 
 from pagedrag.client import Generation, Messages, run_sync
 
-from ._engine import EngineSettings, generation_info
+from ._engine import LangChainSettings, generation_info
 
 _ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool", "function": "function"}
 
 
-class ChatPagedRAG(EngineSettings, BaseChatModel):
+class ChatPagedRAG(LangChainSettings, BaseChatModel):
     """A pagedrag engine as a LangChain chat model; chats go through the model's chat template.
 
     ``ChatPagedRAG()`` runs the embedded SmolLM2-135M-Instruct in process;
@@ -54,17 +55,17 @@ class ChatPagedRAG(EngineSettings, BaseChatModel):
     # ---- generation -----------------------------------------------------------------------
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        return self._result(self.client.chat(_messages(messages), self._sampling(stop, kwargs), self.cache_salt))
+        return self._result(self.client.chat(engine_messages(messages), self.sampling(kwargs, stop), self.cache_salt))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        generation = await self.client.achat(_messages(messages), self._sampling(stop, kwargs), self.cache_salt)
+        generation = await self.client.achat(engine_messages(messages), self.sampling(kwargs, stop), self.cache_salt)
         return self._result(generation)
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        for piece in self.client.stream_chat(_messages(messages), self._sampling(stop, kwargs), self.cache_salt):
+        for piece in self.client.stream_chat(engine_messages(messages), self.sampling(kwargs, stop), self.cache_salt):
             chunk = self._chunk(piece)
             if run_manager:
                 run_manager.on_llm_new_token(piece.text, chunk=chunk)
@@ -73,12 +74,16 @@ class ChatPagedRAG(EngineSettings, BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        pieces = self.client.astream_chat(_messages(messages), self._sampling(stop, kwargs), self.cache_salt)
+        pieces = self.client.astream_chat(engine_messages(messages), self.sampling(kwargs, stop), self.cache_salt)
         async for piece in pieces:
             chunk = self._chunk(piece)
             if run_manager:
                 await run_manager.on_llm_new_token(piece.text, chunk=chunk)
             yield chunk
+
+    def engine_prompt(self, prompt: PromptValue) -> Messages:
+        """A rendered prompt as this model sends it: its messages."""
+        return engine_messages(prompt.to_messages())
 
     def _result(self, generation: Generation) -> ChatResult:
         info = generation_info(generation, self.model_label)
@@ -102,7 +107,7 @@ def _usage(generation: Generation) -> UsageMetadata:
                          input_token_details={"cache_read": generation.cached_tokens})
 
 
-def _messages(messages: Sequence[BaseMessage]) -> Messages:
+def engine_messages(messages: Sequence[BaseMessage]) -> Messages:
     """LangChain messages as ``{"role", "content"}`` dicts; text content only."""
     return [{"role": _role(message), "content": _text(message.content, index)}
             for index, message in enumerate(messages)]

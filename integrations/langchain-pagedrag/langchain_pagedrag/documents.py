@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from langchain_core.documents import Document
+from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pagedrag.canonical import DEFAULT_CHUNK_TEMPLATE, Chunk, PromptCanonicalizer
-from pagedrag.client import canonical_items
+from pagedrag.rag.ordering import ChunkOrder, canonical_items, check_cache_aware
+
+from .chat_models import ChatPagedRAG
+from .llms import PagedRAGLLM
+from .prompts import PAGEDRAG_RAG_PROMPT
 
 
 class CanonicalDocuments(RunnableSerializable[list[Document], list[Document]]):
@@ -20,11 +25,15 @@ class CanonicalDocuments(RunnableSerializable[list[Document], list[Document]]):
     serves::
 
         context = retriever | CanonicalDocuments() | format_documents
+        context = retriever | CanonicalDocuments(order="cache_aware", llm=chat) | format_documents
 
     Orders (see ``pagedrag.canonical.canonical_order``): "stable" sorts by
     ``metadata["source"]`` (else the document id), then ``metadata["start_index"]``, then a
-    hash of the text; "relevance" keeps the retriever's order. Either way documents with
-    empty or repeated text are removed.
+    hash of the text; "cache_aware" starts from that and greedily puts first the documents
+    that extend the prefix ``llm``'s engine holds for its ``cache_salt``, probing the prompt
+    as ``prompt`` renders it (``format_documents`` in its "context", its other variables
+    empty); "relevance" keeps the retriever's order. Documents with empty or repeated text
+    are removed.
 
     With ``max_context_tokens``, the documents are also fitted into that many tokens of
     ``tokenizer`` (default: the embedded model's), counted as ``format_documents`` renders
@@ -32,16 +41,32 @@ class CanonicalDocuments(RunnableSerializable[list[Document], list[Document]]):
     does not is cut at a token boundary, the rest are dropped.
     """
 
-    order: Literal["stable", "relevance"] = "stable"
+    order: ChunkOrder = "stable"
     max_context_tokens: int | None = Field(default=None, gt=0)
     tokenizer: Any = Field(default=None, exclude=True, description="A Hugging Face tokenizer.")
+    llm: ChatPagedRAG | PagedRAGLLM | None = Field(default=None, exclude=True,
+                                                   description="The model whose cache 'cache_aware' asks.")
+    prompt: BasePromptTemplate = Field(default=PAGEDRAG_RAG_PROMPT, exclude=True,
+                                       description="The prompt the documents go into, as its 'context'.")
+
+    @model_validator(mode="after")
+    def _needs_llm_for_cache_aware(self) -> CanonicalDocuments:
+        check_cache_aware(self.order, self.llm)
+        return self
 
     def invoke(self, input: list[Document], config: RunnableConfig | None = None, **kwargs: Any) -> list[Document]:
         return self._call_with_config(self._order, input, config)
 
     def _order(self, documents: list[Document]) -> list[Document]:
-        return canonical_items(documents, _chunk, _with_text, self.order, self.max_context_tokens, self.tokenizer,
-                               DEFAULT_CHUNK_TEMPLATE)
+        return canonical_items(documents, _chunk, _with_text, self.order, max_tokens=self.max_context_tokens,
+                               tokenizer=self.tokenizer, chunk_template=DEFAULT_CHUNK_TEMPLATE,
+                               cached_len=self._cached_len)
+
+    def _cached_len(self, leading: list[Document]) -> int:
+        """Cached tokens of the prompt whose context starts with these documents."""
+        fields = dict.fromkeys(self.prompt.input_variables, "")
+        rendered = self.prompt.invoke({**fields, "context": format_documents(leading)})
+        return self.llm.cached_prefix_len(self.llm.engine_prompt(rendered))
 
 
 def format_documents(documents: list[Document]) -> str:

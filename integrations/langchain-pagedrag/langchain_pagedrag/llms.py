@@ -9,13 +9,14 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation as LCGeneration
 from langchain_core.outputs import GenerationChunk, LLMResult
+from langchain_core.prompt_values import PromptValue
 
 from pagedrag.client import Generation
 
-from ._engine import EngineSettings, generation_info
+from ._engine import LangChainSettings, generation_info
 
 
-class PagedRAGLLM(EngineSettings, BaseLLM):
+class PagedRAGLLM(LangChainSettings, BaseLLM):
     """A pagedrag engine as a LangChain completion model: prompts are sent as they are
     (no chat template; use ChatPagedRAG for chats).
 
@@ -34,15 +35,15 @@ class PagedRAGLLM(EngineSettings, BaseLLM):
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
-        return self._result(self.client.batch(prompts, self._sampling(stop, kwargs), self.cache_salt))
+        return self._result(self.client.batch(prompts, self.sampling(kwargs, stop), self.cache_salt))
 
     async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
-        return self._result(await self.client.abatch(prompts, self._sampling(stop, kwargs), self.cache_salt))
+        return self._result(await self.client.abatch(prompts, self.sampling(kwargs, stop), self.cache_salt))
 
     def _stream(self, prompt: str, stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
-        for piece in self.client.stream_complete(prompt, self._sampling(stop, kwargs), self.cache_salt):
+        for piece in self.client.stream_complete(prompt, self.sampling(kwargs, stop), self.cache_salt):
             chunk = self._chunk(piece)
             if run_manager:
                 run_manager.on_llm_new_token(piece.text, chunk=chunk)
@@ -51,11 +52,15 @@ class PagedRAGLLM(EngineSettings, BaseLLM):
     async def _astream(self, prompt: str, stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[GenerationChunk]:
-        async for piece in self.client.astream_complete(prompt, self._sampling(stop, kwargs), self.cache_salt):
+        async for piece in self.client.astream_complete(prompt, self.sampling(kwargs, stop), self.cache_salt):
             chunk = self._chunk(piece)
             if run_manager:
                 await run_manager.on_llm_new_token(piece.text, chunk=chunk)
             yield chunk
+
+    def engine_prompt(self, prompt: PromptValue) -> str:
+        """A rendered prompt as this model sends it: its text."""
+        return prompt.to_string()
 
     def _result(self, generations: list[Generation]) -> LLMResult:
         infos = [generation_info(g, self.model_label) for g in generations]

@@ -9,7 +9,7 @@ import itertools
 import pytest
 from langchain_core.documents import Document
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
-from langchain_pagedrag import PAGEDRAG_RAG_PROMPT, CanonicalDocuments, format_documents
+from langchain_pagedrag import PAGEDRAG_RAG_PROMPT, CanonicalDocuments, ChatPagedRAG, format_documents
 from testing_support import ENGINE_KWARGS, rag_documents
 
 
@@ -29,6 +29,24 @@ def test_relevance_keeps_the_ranking_and_repeats_are_dropped(documents):
     repeated = documents + [documents[0].model_copy()]
     assert CanonicalDocuments(order="relevance").invoke(repeated) == documents
     assert len(CanonicalDocuments().invoke(repeated)) == len(documents)
+
+
+def test_cache_aware_puts_first_the_documents_the_engine_holds(documents):
+    chat = ChatPagedRAG(engine_kwargs=ENGINE_KWARGS, max_tokens=1, cache_salt="cache-aware documents")
+    cache_aware = CanonicalDocuments(order="cache_aware", llm=chat)
+    stable = CanonicalDocuments().invoke(documents)
+    assert cache_aware.invoke(documents) == stable  # nothing cached under this salt yet
+    earlier = {"context": format_documents([stable[2], stable[0]]), "question": "An earlier question?"}
+    chat.invoke(PAGEDRAG_RAG_PROMPT.invoke(earlier))
+    assert cache_aware.invoke(documents[::-1]) == [stable[2], stable[0], stable[1], stable[3]]
+
+
+def test_cache_aware_needs_an_in_process_engine_to_ask(documents):
+    with pytest.raises(ValueError, match="llm="):
+        CanonicalDocuments(order="cache_aware")
+    remote = ChatPagedRAG(base_url="http://127.0.0.1:9")  # never reached: the order is refused first
+    with pytest.raises(NotImplementedError, match="in-process"):
+        CanonicalDocuments(order="cache_aware", llm=remote).invoke(documents)
 
 
 def test_format_documents_renders_one_block_per_document(documents):

@@ -57,8 +57,21 @@ def test_budget_keeps_nodes_cuts_one_and_drops_the_rest(nodes, llm):
 
 
 def test_only_orders_it_can_honour_are_accepted():
+    with pytest.raises(ValueError, match="llm="):
+        CanonicalNodePostprocessor(order="cache_aware")  # no engine to ask
     with pytest.raises(ValueError):
-        CanonicalNodePostprocessor(order="cache_aware")
+        CanonicalNodePostprocessor(order="random")
+
+
+def test_cache_aware_puts_first_the_nodes_the_engine_holds(nodes):
+    llm = PagedRAG(engine_kwargs=ENGINE_KWARGS, max_tokens=1, cache_salt="cache-aware nodes")
+    cache_aware = CanonicalNodePostprocessor(order="cache_aware", llm=llm)
+    stable = CanonicalNodePostprocessor().postprocess_nodes(nodes)
+    assert texts(cache_aware.postprocess_nodes(nodes)) == texts(stable)  # nothing cached under this salt yet
+    earlier = "\n\n".join(text.strip() for text in texts([stable[2], stable[0]]))
+    llm.chat(PAGEDRAG_QA_TEMPLATE.format_messages(context_str=earlier, query_str="An earlier question?"))
+    ordered = texts(cache_aware.postprocess_nodes(list(reversed(nodes))))
+    assert ordered == texts([stable[2], stable[0], stable[1], stable[3]])  # the cached run, then stable
 
 
 def test_templates_put_instructions_then_context_then_query():

@@ -2,7 +2,8 @@
 
 from .base import PagedRAG
 from .postprocessor import CanonicalNodePostprocessor
-from .templates import PAGEDRAG_QA_TEMPLATE, PAGEDRAG_REFINE_TEMPLATE, canonical_query_engine_kwargs
+from .query_engine import canonical_query_engine_kwargs
+from .templates import PAGEDRAG_QA_TEMPLATE, PAGEDRAG_REFINE_TEMPLATE
 
 __all__ = [
            "PAGEDRAG_QA_TEMPLATE",

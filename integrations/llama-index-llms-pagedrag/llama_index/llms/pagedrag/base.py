@@ -17,16 +17,16 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field
 from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from pagedrag import SamplingParams
-from pagedrag.client import EngineClient, Generation, Messages, connect, sampling_params
+from pagedrag.client import Generation, Messages
+from pagedrag.rag.integration_settings import EngineSettings
 
 
-class PagedRAG(LLM):
+class PagedRAG(EngineSettings, LLM):
     """A pagedrag engine as a LlamaIndex chat LLM.
 
     ``PagedRAG()`` runs the embedded SmolLM2-135M-Instruct in process;
@@ -37,37 +37,27 @@ class PagedRAG(LLM):
     Every response carries the request's cache figures (finish_reason, prompt_tokens,
     completion_tokens, cached_tokens, cache_hit_rate) in ``additional_kwargs`` and ``raw``;
     ``stats()`` returns the engine's counters as ``pagedrag.LLM.stats()`` does.
-    Decoding is greedy unless ``temperature`` says otherwise.
+    Decoding is greedy unless ``temperature`` says otherwise. The settings besides
+    ``model`` and ``additional_kwargs`` are those of ``pagedrag.rag.integration_settings``,
+    shared with LangChain's ChatPagedRAG.
     """
 
     model: str | None = Field(default=None, description="Model folder or name; None: the embedded SmolLM2 "
                                                         "(with base_url: the served model name).")
-    base_url: str | None = Field(default=None, description="URL of a `pagedrag serve`; None: in process.")
-    api_key: str | None = Field(default=None, description="API key of the server, if it asks for one.")
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="pagedrag.EngineArgs fields.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0: greedy decoding.")
-    max_tokens: int | None = Field(default=DEFAULT_NUM_OUTPUTS, description="Most tokens to generate.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: list[str] | None = Field(default=None, description="Stop strings.")
-    seed: int | None = Field(default=None)
-    cache_salt: str | None = Field(default=None, description="Keeps this tenant's cached prefixes apart.")
-    timeout: float = Field(default=600.0, description="Seconds to wait for a server's answer.")
     additional_kwargs: dict[str, Any] = Field(default_factory=dict,
                                               description="Other pagedrag.SamplingParams fields.")
-
-    _client: EngineClient | None = PrivateAttr(default=None)
 
     @classmethod
     def class_name(cls) -> str:
         return "PagedRAG"
 
     @property
-    def client(self) -> EngineClient:
-        """The engine client, connected (and the engine loaded) on first use."""
-        if self._client is None:
-            self._client = connect(self.model, base_url=self.base_url, api_key=self.api_key,
-                                   engine_kwargs=self.engine_kwargs, timeout=self.timeout)
-        return self._client
+    def model_id(self) -> str | None:
+        return self.model
+
+    @property
+    def extra_sampling(self) -> dict[str, Any]:
+        return self.additional_kwargs
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -75,53 +65,49 @@ class PagedRAG(LLM):
         return LLMMetadata(context_window=info.max_model_len, num_output=self.max_tokens or DEFAULT_NUM_OUTPUTS,
                            is_chat_model=True, model_name=info.model_name)
 
-    def stats(self) -> dict[str, Any]:
-        """The engine's counters (prefix cache figures in tokens)."""
-        return self.client.stats()
-
     # ---- chat -------------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        generation = self.client.chat(_messages(messages), self._params(kwargs), self.cache_salt)
+        generation = self.client.chat(engine_messages(messages), self.sampling(kwargs), self.cache_salt)
         return _chat_response(generation.text, None, generation.cache_figures())
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        pieces = self.client.stream_chat(_messages(messages), self._params(kwargs), self.cache_salt)
+        pieces = self.client.stream_chat(engine_messages(messages), self.sampling(kwargs), self.cache_salt)
         return (_chat_response(text, piece.text, _figures(piece)) for piece, text in _running_text(pieces))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        generation = await self.client.achat(_messages(messages), self._params(kwargs), self.cache_salt)
+        generation = await self.client.achat(engine_messages(messages), self.sampling(kwargs), self.cache_salt)
         return _chat_response(generation.text, None, generation.cache_figures())
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        pieces = self.client.astream_chat(_messages(messages), self._params(kwargs), self.cache_salt)
+        pieces = self.client.astream_chat(engine_messages(messages), self.sampling(kwargs), self.cache_salt)
         return (_chat_response(text, piece.text, _figures(piece)) async for piece, text in _arunning_text(pieces))
 
     # ---- completion -----------------------------------------------------------------------
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        generation = self.client.complete(self._prompt(prompt, formatted), self._params(kwargs), self.cache_salt)
+        generation = self.client.complete(self._prompt(prompt, formatted), self.sampling(kwargs), self.cache_salt)
         return _completion_response(generation.text, None, generation.cache_figures())
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        pieces = self.client.stream_complete(self._prompt(prompt, formatted), self._params(kwargs),
+        pieces = self.client.stream_complete(self._prompt(prompt, formatted), self.sampling(kwargs),
                                              self.cache_salt)
         return (_completion_response(text, piece.text, _figures(piece)) for piece, text in _running_text(pieces))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        generation = await self.client.acomplete(self._prompt(prompt, formatted), self._params(kwargs),
+        generation = await self.client.acomplete(self._prompt(prompt, formatted), self.sampling(kwargs),
                                                  self.cache_salt)
         return _completion_response(generation.text, None, generation.cache_figures())
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
-        pieces = self.client.astream_complete(self._prompt(prompt, formatted), self._params(kwargs),
+        pieces = self.client.astream_complete(self._prompt(prompt, formatted), self.sampling(kwargs),
                                               self.cache_salt)
         return (_completion_response(text, piece.text, _figures(piece))
                 async for piece, text in _arunning_text(pieces))
@@ -131,14 +117,8 @@ class PagedRAG(LLM):
         """The text sent as is: completion_to_prompt applies unless already formatted."""
         return prompt if formatted else self.completion_to_prompt(prompt)
 
-    def _params(self, overrides: dict[str, Any]) -> SamplingParams:
-        """The instance's sampling settings, updated by a call's SamplingParams keywords."""
-        settings = {"temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
-                    "stop": self.stop, "seed": self.seed, **self.additional_kwargs}
-        return sampling_params(settings, overrides)
 
-
-def _messages(messages: Sequence[ChatMessage]) -> Messages:
+def engine_messages(messages: Sequence[ChatMessage]) -> Messages:
     """LlamaIndex messages as ``{"role", "content"}`` dicts; text blocks only."""
     converted = []
     for index, message in enumerate(messages):

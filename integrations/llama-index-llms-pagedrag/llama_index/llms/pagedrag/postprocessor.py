@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import Field, model_validator
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from pagedrag.canonical import Chunk
-from pagedrag.client import canonical_items
+from pagedrag.rag.ordering import ChunkOrder, canonical_items, check_cache_aware
+
+from .base import PagedRAG, engine_messages
+from .templates import PAGEDRAG_QA_TEMPLATE
 
 
 class CanonicalNodePostprocessor(BaseNodePostprocessor):
@@ -18,8 +22,10 @@ class CanonicalNodePostprocessor(BaseNodePostprocessor):
     Two queries that retrieve the same nodes (or sets that start with the same nodes)
     then build prompts with the same leading tokens, which the prefix cache serves.
     Orders (see ``pagedrag.canonical.canonical_order``): "stable" sorts by source document
-    id, then start position, then a hash of the text; "relevance" keeps the retriever's
-    order. Either way nodes with empty or repeated text are removed.
+    id, then start position, then a hash of the text; "cache_aware" starts from that and
+    greedily puts first the nodes that extend the prefix ``llm``'s engine holds for its
+    ``cache_salt``, probing the prompt as the query engine renders it with ``qa_template``;
+    "relevance" keeps the retriever's order. Nodes with empty or repeated text are removed.
 
     With ``max_context_tokens``, the nodes' texts are also fitted into that many tokens of
     ``tokenizer`` (default: the embedded model's) by the canonicalizer's rule: nodes are
@@ -28,9 +34,17 @@ class CanonicalNodePostprocessor(BaseNodePostprocessor):
     LLM's context window across refine calls.)
     """
 
-    order: Literal["stable", "relevance"] = Field(default="stable")
+    order: ChunkOrder = Field(default="stable")
     max_context_tokens: int | None = Field(default=None, gt=0)
     tokenizer: Any = Field(default=None, exclude=True, description="A Hugging Face tokenizer.")
+    llm: PagedRAG | None = Field(default=None, exclude=True, description="The LLM whose cache 'cache_aware' asks.")
+    qa_template: BasePromptTemplate = Field(default=PAGEDRAG_QA_TEMPLATE, exclude=True,
+                                            description="The query engine's text_qa_template.")
+
+    @model_validator(mode="after")
+    def _needs_llm_for_cache_aware(self) -> CanonicalNodePostprocessor:
+        check_cache_aware(self.order, self.llm)
+        return self
 
     @classmethod
     def class_name(cls) -> str:
@@ -38,7 +52,20 @@ class CanonicalNodePostprocessor(BaseNodePostprocessor):
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore],
                            query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
-        return canonical_items(nodes, _chunk, _with_text, self.order, self.max_context_tokens, self.tokenizer)
+        return canonical_items(nodes, _chunk, _with_text, self.order, max_tokens=self.max_context_tokens,
+                               tokenizer=self.tokenizer, cached_len=self._cached_len)
+
+    def _cached_len(self, leading: list[NodeWithScore]) -> int:
+        """Cached tokens of the QA prompt whose context starts with these nodes."""
+        fields = dict.fromkeys(self.qa_template.template_vars, "")
+        messages = self.qa_template.format_messages(**{**fields, "context_str": _context(leading)})
+        return self.llm.cached_prefix_len(engine_messages(messages))
+
+
+def _context(nodes: list[NodeWithScore]) -> str:
+    """The nodes' texts as LlamaIndex's response synthesizer packs them into context_str."""
+    texts = (n.node.get_content(metadata_mode=MetadataMode.LLM).strip() for n in nodes)
+    return "\n\n".join(text for text in texts if text)
 
 
 def _chunk(scored: NodeWithScore) -> Chunk:

@@ -6,22 +6,17 @@ completion-style refine template (DEFAULT_REFINE_PROMPT) starts with the query, 
 refine call misses the cache from its first tokens. These templates keep the layout the
 same for both steps and both kinds of model: a system message that never changes, the
 retrieved context, then what changes with every request (the query, and for refine the
-existing answer) last. Use them with the canonical node order:
-
-    index.as_query_engine(llm=PagedRAG(), **canonical_query_engine_kwargs())
+existing answer) last. ``canonical_query_engine_kwargs`` pairs them with the canonical
+node order.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.prompts import ChatPromptTemplate
 from llama_index.core.prompts.prompt_type import PromptType
 
 from pagedrag.client import RAG_SYSTEM_PROMPT, canonical_template_messages
-
-from .postprocessor import CanonicalNodePostprocessor
 
 REFINE_SYSTEM_PROMPT = ("You are an expert Q&A system that refines an existing answer. Rewrite the existing "
                         "answer using the new context given before the question, or repeat it unchanged if the "
@@ -39,13 +34,3 @@ PAGEDRAG_QA_TEMPLATE = _chat_template(RAG_SYSTEM_PROMPT, "Context information:\n
 PAGEDRAG_REFINE_TEMPLATE = _chat_template(
     REFINE_SYSTEM_PROMPT, "New context:\n{context_msg}",
     "Question: {query_str}\nExisting answer: {existing_answer}\nRefined answer:", PromptType.REFINE)
-
-
-def canonical_query_engine_kwargs(order: str = "stable", max_context_tokens: int | None = None,
-                                  tokenizer: Any = None) -> dict[str, Any]:
-    """Keyword arguments for ``index.as_query_engine``: the canonical node postprocessor
-    and the QA / refine templates above."""
-    postprocessor = CanonicalNodePostprocessor(order=order, max_context_tokens=max_context_tokens,
-                                               tokenizer=tokenizer)
-    return {"node_postprocessors": [postprocessor], "text_qa_template": PAGEDRAG_QA_TEMPLATE,
-            "refine_template": PAGEDRAG_REFINE_TEMPLATE}

@@ -5,6 +5,10 @@ Everything another thread wants from it (add a request, abort one, read its stat
 handed over as a command through a FIFO queue; the engine thread runs the queued
 commands between two steps, and sleeps on the queue while it has nothing to step.
 Outputs travel back through one mailbox per request, posted to the caller's event loop.
+
+Nothing outside this module reaches into the LLMEngine: callers read it through
+AsyncLLMEngine's public surface (``model_info``, ``metrics_registry``, ``get_tokenizer``,
+``get_input_processor``, ``stats``, ``cached_prefix_len``, ``reset_prefix_cache``).
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from .config import EngineArgs
 from .engine import LLMEngine
@@ -25,12 +32,23 @@ from .outputs import RequestOutput
 from .recovery import EngineDeadError, RequestFailedError
 from .sampling_params import SamplingParams
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestFailedError", "RequestStream"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "ModelInfo", "RequestFailedError", "RequestStream"]
 # Threads that tokenize prompts (each with its own tokenizer copy), off the engine thread
 # and off the caller's event loop; more would only compete for the cores the steps use.
 NUM_INPUT_THREADS = 2
 
 logger = logging.getLogger("pagedrag")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What an engine serves; fixed for the engine's life, so read without a trip to its thread."""
+
+    name: str
+    max_model_len: int  # prompt plus generated tokens
+    block_size: int  # tokens per KV block (prefix-cache granularity)
+    vocab_size: int
+    device: str
 
 
 def _STOP() -> None:
@@ -72,6 +90,10 @@ class _Mailbox:
         self._item = None
         self._ready.clear()
         return item
+
+
+_Queued = tuple[str, ProcessedPrompt, SamplingParams | None, _Mailbox]
+"""A request on its way into the engine: id, prompt, parameters, mailbox."""
 
 
 class RequestStream:
@@ -117,22 +139,27 @@ class AsyncLLMEngine:
     Invariants:
     - Only the engine thread touches ``engine`` and ``_mailboxes``; other threads reach
       them through ``_commands``, which the engine thread runs in order between steps.
+      Callers use the public surface below; ``engine`` is named only by tests that
+      simulate failures.
     - A request counts in ``num_in_flight`` from ``generate()`` until it leaves the
       engine (finished, aborted, failed, or rejected by validation): exactly one
-      ``_leave`` per ``generate``.
+      ``_leave`` per request.
     - Every request in ``_mailboxes`` is unfinished in the engine; its mailbox ends
       with a finished output or an exception, never with silence.
     """
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        self.model_info = ModelInfo(engine.model_name, engine.max_model_len, engine.args.block_size,
+                                    engine.vocab_size, str(engine.device))
+        self.metrics_registry: CollectorRegistry = engine.metrics.registry  # collecting it is thread-safe
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._mailboxes: dict[str, _Mailbox] = {}
         self._lock = threading.Lock()  # guards _num_in_flight and _closed
         self._num_in_flight = 0
         self._closed = False
         self._dead_reason: str | None = None  # set on the engine thread only
-        self._input_template = engine.inputs.copy()  # copied again by each input thread; never used itself
+        self._input_template = engine.inputs.copy()  # copied again for each user; never used itself
         self._inputs = threading.local()  # each input thread's own InputProcessor copy
         self._input_pool = concurrent.futures.ThreadPoolExecutor(NUM_INPUT_THREADS, "pagedrag-inputs")
         self._thread = threading.Thread(target=self._run, name="pagedrag-engine", daemon=True)
@@ -142,7 +169,7 @@ class AsyncLLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
         return cls(LLMEngine(args))
 
-    # ---- the caller's side (any thread, or the event loop) -----------------------
+    # ---- the read surface (any thread; the async forms need a running event loop) ----
     @property
     def num_in_flight(self) -> int:
         """Requests queued, waiting or running (each generate() call counts once)."""
@@ -153,6 +180,30 @@ class AsyncLLMEngine:
         """Why the engine takes no more requests, or None while it is healthy."""
         return self._dead_reason
 
+    def get_input_processor(self) -> InputProcessor:
+        """A copy of the engine's InputProcessor (tokenizer included) for the caller's own
+        thread: a tokenizer must not be shared between threads."""
+        return self._input_template.copy()
+
+    def get_tokenizer(self):
+        """A copy of the engine's tokenizer for the caller's own thread (None: the model has none)."""
+        return self.get_input_processor().tokenizer
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's counters (``LLMEngine.stats()``: prefix-cache figures in tokens, pool
+        and queue sizes), read on the engine thread between two steps."""
+        return await self._call(self.engine.stats)
+
+    async def cached_prefix_len(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of this prompt the prefix cache holds now, under
+        ``cache_salt`` (no side effects: nothing is touched or evicted)."""
+        return await self._call(self.engine.cached_prefix_len, list(token_ids), cache_salt)
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (for measurements that start cold)."""
+        await self._call(self.engine.reset_prefix_cache)
+
+    # ---- requests (from a running event loop) ---------------------------------------
     def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                  request_id: str | None = None, cache_salt: str | None = None,
                  ) -> "RequestStream":
@@ -165,21 +216,29 @@ class AsyncLLMEngine:
         Cancelling it, or closing it (``aclose()``) before the finished output, aborts the
         request; a stream that is merely dropped runs to its end in the engine.
         """
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
-        mailbox = _Mailbox(asyncio.get_running_loop())
-        with self._lock:
-            self._num_in_flight += 1
         if isinstance(prompt, ProcessedPrompt) and cache_salt is None:  # checked already: queue it now
-            self._queue_add(request_id, lambda: prompt, params, mailbox)
-            return RequestStream(self, request_id, mailbox)
+            return self.generate_batch([(prompt, params)], [request_id])[0]
+        request_id, mailbox = self._open(request_id)
         try:
             prepared = self._input_pool.submit(self._prepare, prompt, params, cache_salt)
         except RuntimeError:  # the pool has shut down
-            self._leave()
-            mailbox.post(EngineDeadError("the engine has shut down"))
+            self._reject(mailbox, EngineDeadError("the engine has shut down"))
         else:
-            prepared.add_done_callback(lambda done: self._queue_add(request_id, done.result, params, mailbox))
+            prepared.add_done_callback(lambda done: self._queue_prepared(request_id, done, params, mailbox))
         return RequestStream(self, request_id, mailbox)
+
+    def generate_batch(self, requests: Sequence[tuple[ProcessedPrompt, SamplingParams | None]],
+                       request_ids: Sequence[str | None] | None = None) -> list["RequestStream"]:
+        """Queue prompts processed already (``get_input_processor()`` made them) so that they
+        enter the engine together, between the same two steps: one engine batch.
+
+        Call from a running event loop. Each stream behaves as one from ``generate()``.
+        """
+        ids = request_ids if request_ids is not None else [None] * len(requests)
+        opened = [self._open(request_id) for request_id in ids]
+        self._queue([(request_id, prompt, params, mailbox)
+                     for (request_id, mailbox), (prompt, params) in zip(opened, requests, strict=True)])
+        return [RequestStream(self, request_id, mailbox) for request_id, mailbox in opened]
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError / TypeError for sampling parameters this engine cannot run."""
@@ -190,6 +249,13 @@ class AsyncLLMEngine:
         that grows with the input (chat templates, tokenizing), off the event loop and off
         the engine thread."""
         return await asyncio.wrap_future(self._input_pool.submit(lambda: fn(self._thread_inputs())))
+
+    def _open(self, request_id: str | None) -> tuple[str, _Mailbox]:
+        """A request's id and its mailbox on the caller's event loop; it counts in flight from now."""
+        mailbox = _Mailbox(asyncio.get_running_loop())
+        with self._lock:
+            self._num_in_flight += 1
+        return (request_id if request_id is not None else uuid.uuid4().hex), mailbox
 
     def _prepare(self, prompt: PromptType, params: SamplingParams | None, cache_salt: str | None
                  ) -> ProcessedPrompt:
@@ -203,31 +269,39 @@ class AsyncLLMEngine:
         """This input thread's own copy of the engine's InputProcessor."""
         inputs = getattr(self._inputs, "processor", None)
         if inputs is None:
-            inputs = self._inputs.processor = self._input_template.copy()
+            inputs = self._inputs.processor = self.get_input_processor()
         return inputs
 
-    def _queue_add(self, request_id: str, prompt: Callable[[], ProcessedPrompt],
-                   params: SamplingParams | None, mailbox: _Mailbox) -> None:
-        """Queue the processed prompt (``prompt()`` raises if processing failed), or hand the
-        error to the caller."""
+    def _queue_prepared(self, request_id: str, prepared: concurrent.futures.Future,
+                        params: SamplingParams | None, mailbox: _Mailbox) -> None:
+        """Queue a prompt processed on an input thread, or hand its error to the caller."""
         try:
-            processed = prompt()
-            self._enqueue(lambda: self._add(request_id, processed, params, None, mailbox))
+            processed = prepared.result()
         except Exception as failure:
-            self._leave()
-            mailbox.post(failure)
+            self._reject(mailbox, failure)
+            return
+        self._queue([(request_id, processed, params, mailbox)])
+
+    def _queue(self, requests: list[_Queued]) -> None:
+        """Queue the requests as one command, so that no step runs between their adds."""
+        try:
+            self._enqueue(lambda: self._add_all(requests))
+        except EngineDeadError as error:
+            for *_, mailbox in requests:
+                self._reject(mailbox, error)
+
+    def _reject(self, mailbox: _Mailbox, error: Exception) -> None:
+        """The request never entered the engine: it leaves, and its caller gets ``error``."""
+        self._leave()
+        mailbox.post(error)
 
     def abort_all(self, reason: str) -> None:
         """End every request in flight now, from any thread: each gets a finished output with
         finish_reason "abort" (streams end normally). ``reason`` is logged."""
         self._enqueue(lambda: self._abort_all(reason))
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the engine thread between steps (e.g. ``engine.stats``)."""
-        return await asyncio.wrap_future(self.submit(fn, *args))
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        """Like call(), from any thread: a future of ``fn(*args)`` run on the engine thread."""
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` run on the engine thread between two steps."""
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def command() -> None:
@@ -238,7 +312,7 @@ class AsyncLLMEngine:
                     future.set_exception(error)
 
         self._enqueue(command)
-        return future
+        return await asyncio.wrap_future(future)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Fail whatever is in flight with EngineDeadError and stop the engine thread."""
@@ -297,18 +371,21 @@ class AsyncLLMEngine:
                 return True
         return False
 
-    def _add(self, request_id: str, prompt: PromptType, params: SamplingParams | None,
-             cache_salt: str | None, mailbox: _Mailbox) -> None:
+    def _add_all(self, requests: list[_Queued]) -> None:
+        for request in requests:
+            self._add(*request)
+
+    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams | None,
+             mailbox: _Mailbox) -> None:
         if mailbox.closed:  # aborted before it was queued
             self._leave()
             return
         try:
             if self._dead_reason is not None:
                 raise EngineDeadError(self._dead_reason)
-            self.engine.add_request(request_id, prompt, params, cache_salt)
+            self.engine.add_request(request_id, prompt, params)
         except Exception as error:  # bad input: the caller gets it, the loop goes on
-            self._leave()
-            mailbox.post(error)
+            self._reject(mailbox, error)
             return
         self._mailboxes[request_id] = mailbox
 

@@ -4,13 +4,13 @@ on loopback (uvicorn in a thread), sharing one engine for the whole module."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import dataclasses
 import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -68,7 +68,7 @@ def client(server):
 
 
 def _stats(engine) -> dict:
-    return engine.submit(engine.engine.stats).result(timeout=60)
+    return asyncio.run(asyncio.wait_for(engine.stats(), 60))
 
 
 def _wait_idle(engine, timeout: float = 60.0) -> dict:
@@ -210,6 +210,34 @@ def test_cached_tokens_and_metrics(server, client, engine):
                                                         + second.prompt_tokens_details.cached_tokens)
     assert grew("pagedrag:time_to_first_token_seconds_count") == 2
     assert "pagedrag:gpu_cache_usage_perc" in after
+
+
+def test_stats_endpoint(server, engine):
+    """GET /v1/stats: the engine's counters as JSON, behind the API key."""
+    _assert_error(httpx.get(server.base_url + "/v1/stats"), 401)
+    response = httpx.get(server.base_url + "/v1/stats", headers={"Authorization": f"Bearer {KEYS[0]}"})
+    assert response.status_code == 200
+    stats = response.json()
+    assert stats.keys() == _stats(engine).keys()
+    assert stats["max_model_len"] == engine.model_info.max_model_len == 512
+    assert stats["block_size"] == engine.model_info.block_size
+
+
+def test_engine_surface_cached_prefix_and_reset(open_server, engine):
+    """The read surface the server and the clients use instead of the engine itself."""
+    prompt = LONG_PREFIX + "Question: what does the surface report?"
+    token_ids = engine.get_input_processor().process(prompt).token_ids
+    assert _post(open_server.base_url, "/v1/completions", {"prompt": prompt, "max_tokens": 1},
+                 key=None).status_code == 200
+    cached = asyncio.run(engine.cached_prefix_len(token_ids))
+    assert cached >= 80
+    assert asyncio.run(engine.cached_prefix_len(token_ids, cache_salt="another tenant")) == 0
+    _wait_idle(engine)
+    asyncio.run(engine.reset_prefix_cache())
+    assert asyncio.run(engine.cached_prefix_len(token_ids)) == 0
+    assert engine.get_tokenizer() is not engine.get_tokenizer()  # a copy per caller
+    labels = {"model_name": engine.model_info.name}
+    assert engine.metrics_registry.get_sample_value("pagedrag:prefix_cache_queries_total", labels) > 0
 
 
 def test_tenants_do_not_share_cache(server, client):

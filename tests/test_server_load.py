@@ -98,7 +98,7 @@ async def _load(base_url: str) -> list[tuple[int, str, int, bool]]:
 def _wait_idle(engine, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        stats = engine.submit(engine.engine.stats).result(timeout=60)
+        stats = asyncio.run(asyncio.wait_for(engine.stats(), 60))
         if engine.num_in_flight == 0 and stats["num_free_blocks"] == stats["num_gpu_blocks"]:
             return stats
         time.sleep(0.05)

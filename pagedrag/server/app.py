@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, /health, and /metrics (the engine's Prometheus registry)."""
+"""The FastAPI app: OpenAI routes, /health, /metrics (the engine's Prometheus registry), and
+/v1/stats (the engine's counters as JSON, behind the API key like every /v1 route)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
-from ..async_engine import AsyncLLMEngine
+from ..async_engine import AsyncLLMEngine, EngineDeadError
 from .auth import ApiKeyMiddleware
 from .body_limit import BodySizeLimitMiddleware
 from .chat import create_chat_completion
@@ -45,7 +46,15 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(engine.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(engine.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/stats")
+    async def stats() -> Response:
+        """pagedrag's own route (not OpenAI's): what ``pagedrag.LLM.stats()`` returns."""
+        try:
+            return JSONResponse(await engine.stats())
+        except EngineDeadError as error:
+            raise engine_dead(str(error)) from error
 
     @app.get("/v1/models")
     async def models() -> ModelList:

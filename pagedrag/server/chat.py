@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from .choices import ChoiceDelta
+from ..deltas import ChoiceDelta
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage)
 from .serving import Envelope, Run, Serving

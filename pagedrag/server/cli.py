@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", error)
         return 2
     engine = AsyncLLMEngine.from_engine_args(engine_args)
-    config = server_config_from(args, engine.engine.model_name)
+    config = server_config_from(args, engine.model_info.name)
     logger.info("serving %s on http://%s:%d (API keys: %d, max queue: %s, shutdown timeout: %gs)",
                 config.served_model_names, args.host, args.port, len(config.api_keys), config.max_queue,
                 args.shutdown_timeout)

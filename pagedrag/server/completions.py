@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from .choices import ChoiceDelta
+from ..deltas import ChoiceDelta
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from .serving import Envelope, Run, Serving
 from .sse import sse_response

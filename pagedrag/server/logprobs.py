@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from itertools import accumulate
 
-from .choices import ChoiceDelta
+from ..deltas import ChoiceDelta
 from .protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 

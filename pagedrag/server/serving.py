@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,12 +11,11 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from ..async_engine import AsyncLLMEngine
-from ..detokenizer import StopChecker
+from ..deltas import ChoiceCursor, ChoiceDelta
 from ..inputs import ProcessedPrompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .auth import bearer_token, tenant_cache_salt
-from .choices import ChoiceCursor, ChoiceDelta
 from .errors import APIError, as_api_error, engine_dead
 from .logprobs import LogprobFormatter
 from .chat_template import RequestTemplateRenderer
@@ -115,8 +113,7 @@ class Run:
     def _cursor(self, prompt_index: int, completion_index: int) -> ChoiceCursor:
         index = prompt_index * self._params.n + completion_index
         if index not in self._cursors:
-            stops = StopChecker(self._params.stop, self._params.include_stop_str_in_output)
-            self._cursors[index] = ChoiceCursor(index, stops)
+            self._cursors[index] = ChoiceCursor(index)
         return self._cursors[index]
 
 
@@ -127,8 +124,8 @@ class Serving:
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig):
         self.engine = engine
         self.config = config
-        self.max_model_len = engine.engine.max_model_len
-        self.tokenizer = copy.deepcopy(engine.engine.tokenizer)
+        self.max_model_len = engine.model_info.max_model_len
+        self.tokenizer = engine.get_tokenizer()
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.templates = RequestTemplateRenderer()
         self.special_tokens = _special_tokens(self.tokenizer)
@@ -201,12 +198,12 @@ class Serving:
 
     async def start(self, http_request: Request, params: SamplingParams, prompts: list[ProcessedPrompt],
                     envelope: Envelope) -> Run:
-        """Queue the checked prompts and wait for the first output (400 if a prompt leaves no
-        room for max_tokens; ClientDisconnected if the client leaves first)."""
+        """Queue the checked prompts (together: one engine batch) and wait for the first output
+        (400 if a prompt leaves no room for max_tokens; ClientDisconnected if the client leaves first)."""
         for prompt in prompts:
             self._check_room(len(prompt.token_ids), params.max_tokens)
-        streams = [self.engine.generate(prompt, params, f"{envelope.id}-{index}")
-                   for index, prompt in enumerate(prompts)]
+        streams = self.engine.generate_batch([(prompt, params) for prompt in prompts],
+                                             [f"{envelope.id}-{index}" for index in range(len(prompts))])
         run = Run(merge_streams(streams), params)
         await run.prime(http_request)
         return run

@@ -1,16 +1,17 @@
-"""What one choice of a response has sent so far, and what it may send next.
+"""Cumulative engine outputs turned into per-choice deltas (what is new since last time).
 
-The engine's outputs are cumulative; a response (streamed or whole) is a series of
-deltas per choice. Streaming holds back a tail of text that may still turn out to
-be the start of a stop string, so text once sent is never taken back.
+The engine's CompletionOutputs are cumulative, and their ``text`` is always safe to send:
+the output processor holds back any tail that may still start a stop string, so text once
+shown is never taken back. A response (streamed or whole, over HTTP or in process) is a
+series of deltas per choice; this module only takes differences, it holds nothing back.
+The server and the in-process client share it, so neither imports the other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..detokenizer import StopChecker
-from ..outputs import CompletionOutput
+from .outputs import CompletionOutput
 
 
 @dataclass
@@ -27,12 +28,15 @@ class ChoiceDelta:
 
 
 class ChoiceCursor:
-    """Invariants: ``sent_chars`` only grows and the sent text is a prefix of the final
-    text; every token is in exactly one delta; the finishing delta is the last."""
+    """What one choice has sent so far.
 
-    def __init__(self, index: int, stops: StopChecker):
+    Invariants: ``sent_chars`` only grows and the sent text is a prefix of the final text
+    (the output processor guarantees that every output's text is a prefix of the next);
+    every token is in exactly one delta; the finishing delta is the last.
+    """
+
+    def __init__(self, index: int):
         self.index = index
-        self.stops = stops
         self.sent_chars = 0
         self.sent_tokens = 0
         self.finished = False
@@ -42,16 +46,14 @@ class ChoiceCursor:
         if self.finished:
             return None
         self.finished = completion.finished()
-        text = completion.text
-        visible = len(text) if self.finished else max(self.sent_chars, self.stops.streamable_length(text))
-        num_tokens = len(completion.token_ids)
-        new_text = text[self.sent_chars:visible]
-        new_tokens = completion.token_ids[self.sent_tokens:num_tokens]
+        num_chars, num_tokens = len(completion.text), len(completion.token_ids)
+        new_text = completion.text[self.sent_chars:]
+        new_tokens = completion.token_ids[self.sent_tokens:]
         if not (new_text or self.finished or (wants_logprobs and new_tokens)):
             return None
         logprobs = None if completion.logprobs is None else completion.logprobs[self.sent_tokens:num_tokens]
         delta = ChoiceDelta(self.index, new_text, self.sent_chars, new_tokens, logprobs,
                             completion.finish_reason if self.finished else None,
                             completion.stop_reason if self.finished else None)
-        self.sent_chars, self.sent_tokens = visible, num_tokens
+        self.sent_chars, self.sent_tokens = num_chars, num_tokens
         return delta

@@ -1,0 +1,132 @@
+"""The in-process back end: an AsyncLLMEngine shared by every client of the same engine
+arguments, so a second LLM object with the same arguments reuses the loaded model and its
+prefix cache instead of loading again."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..async_engine import AsyncLLMEngine, RequestStream
+from ..config import EngineArgs
+from ..deltas import ChoiceCursor, ChoiceDelta
+from ..inputs import ProcessedPrompt
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .bridge import run_sync
+from .types import EngineClient, EngineInfo, Generation, Prompt, check_single, collect
+
+_Submission = tuple[ProcessedPrompt, SamplingParams, "asyncio.Future[RequestStream]"]
+
+
+class SharedEngine:
+    """An AsyncLLMEngine shared by every client of the same engine arguments.
+
+    Requests submitted during one turn of an event loop enter the engine together,
+    between two of its steps, so a batch (``abatch``, LangChain's ``batch``, any
+    ``asyncio.gather``) is one engine batch rather than a trickle. For that, prompts are
+    tokenized, rendered and checked on the callers' side (``engine_prompt``) with an
+    InputProcessor of their own, before they are queued.
+    """
+
+    def __init__(self, args: EngineArgs):
+        self.engine = AsyncLLMEngine.from_engine_args(args)
+        self.inputs = self.engine.get_input_processor()
+        self.tokenizer = self.inputs.tokenizer
+        self._inputs_lock = threading.Lock()  # callers on several threads share self.inputs
+        self._pending: dict[asyncio.AbstractEventLoop, list[_Submission]] = {}  # per loop: this turn's
+
+    def engine_prompt(self, prompt: Prompt, cache_salt: str | None = None) -> ProcessedPrompt:
+        """Text, or a conversation rendered as ``LLM.chat`` renders it, tokenized and checked
+        (ValueError / TypeError for bad input)."""
+        with self._inputs_lock:
+            if isinstance(prompt, str):
+                return self.inputs.process(prompt, cache_salt)
+            return self.inputs.render_chat(prompt, cache_salt=cache_salt)
+
+    async def submit(self, prompt: ProcessedPrompt, params: SamplingParams) -> RequestStream:
+        """Queue a request at the end of this loop turn; its stream of RequestOutputs."""
+        loop = asyncio.get_running_loop()
+        pending = self._pending.get(loop)
+        if pending is None:
+            pending = self._pending[loop] = []
+            loop.call_soon(self._flush, loop)
+        started = loop.create_future()
+        pending.append((prompt, params, started))
+        return await started
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Queue this turn's submissions (those whose caller still waits) as one engine batch."""
+        submissions = [submission for submission in self._pending.pop(loop) if not submission[2].cancelled()]
+        streams = self.engine.generate_batch([(prompt, params) for prompt, params, _ in submissions])
+        for (_, _, started), stream in zip(submissions, streams, strict=True):
+            started.set_result(stream)
+
+
+_engines: dict[tuple, SharedEngine] = {}
+_engines_lock = threading.Lock()
+
+
+def shared_engine(model: str | None, engine_kwargs: dict[str, Any]) -> SharedEngine:
+    """The engine for these arguments, loaded on first use and shared afterwards.
+
+    Arguments are compared after EngineArgs fills in defaults, so ``{}`` and
+    ``{"block_size": 16}`` name the same engine.
+    """
+    unknown = set(engine_kwargs) - (EngineArgs.field_names() - {"model"})
+    if unknown:
+        raise TypeError(f"unknown engine arguments {sorted(unknown)}: the model is an argument of its own, "
+                        "the rest are pagedrag.EngineArgs fields")
+    args = EngineArgs(model=model, **engine_kwargs)
+    key = tuple(sorted(dataclasses.asdict(args).items()))
+    with _engines_lock:
+        if key not in _engines:
+            _engines[key] = SharedEngine(args)
+        return _engines[key]
+
+
+class InProcessClient(EngineClient):
+    """A client of a shared in-process engine."""
+
+    def __init__(self, shared: SharedEngine):
+        self.shared = shared
+
+    async def agenerate(self, prompt: Prompt, params: SamplingParams,
+                        cache_salt: str | None = None) -> Generation:
+        return await collect(self.astream(prompt, params, cache_salt))
+
+    async def astream(self, prompt: Prompt, params: SamplingParams,
+                      cache_salt: str | None = None) -> AsyncIterator[Generation]:
+        check_single(params)
+        stream = await self.shared.submit(self.shared.engine_prompt(prompt, cache_salt), params)
+        cursor = ChoiceCursor(0)
+        try:
+            async for output in stream:
+                delta = cursor.advance(output.outputs[0], wants_logprobs=False)
+                if delta is not None:
+                    yield _piece(delta, output)
+        finally:
+            await stream.aclose()
+
+    async def astats(self) -> dict[str, Any]:
+        return await self.shared.engine.stats()
+
+    async def ainfo(self) -> EngineInfo:
+        info = self.shared.engine.model_info
+        return EngineInfo(info.name, info.max_model_len)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (for measurements that start cold)."""
+        run_sync(self.shared.engine.reset_prefix_cache())
+
+
+def _piece(delta: ChoiceDelta, output: RequestOutput) -> Generation:
+    """A stream's piece: new text; the last piece also carries the finish reason and the
+    request's token counts."""
+    if delta.finish_reason is None:
+        return Generation(delta.text)
+    return Generation(delta.text, delta.finish_reason, len(output.prompt_token_ids),
+                      len(output.outputs[0].token_ids), output.num_cached_tokens)

@@ -1,0 +1,225 @@
+"""pagedrag.client: the in-process and remote back ends give the same answers and figures,
+the remote one through the openai SDK (extras in extra_body, stats from /v1/stats, retries
+on the server's 503), and the synchronous bridge. One engine serves both back ends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pagedrag.client import (EngineClient, InProcessClient, RemoteClient, RemoteError, connect, iterate_sync,
+                             run_sync)
+from pagedrag.deltas import ChoiceCursor
+from pagedrag.outputs import CompletionOutput
+from pagedrag.sampling_params import SamplingParams
+from pagedrag.server.app import build_app
+from pagedrag.server.background import BackgroundServer
+from pagedrag.server.serving import ServerConfig
+
+ENGINE_KWARGS = {"max_model_len": 512, "num_gpu_blocks_override": 128, "max_num_seqs": 16, "seed": 0}
+KEY = "client-key"
+MESSAGES = [{"role": "system", "content": "You answer in one short sentence."},
+            {"role": "user", "content": "What is the capital of France?"}]
+# ~80 tokens: four full 16-token blocks that a second request finds in the cache
+PREFIX = ("You answer questions about the solar system using only the context below. Context: The Sun "
+          "holds 99.8 percent of the mass of the solar system. Mercury is the closest planet to the Sun "
+          "and has no moons. Venus rotates backwards and has the hottest surface. Earth is the only "
+          "planet known to have liquid water on its surface. Mars has two small moons. ")
+
+
+def _greedy(**extra) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **{"max_tokens": 8, **extra})
+
+
+@pytest.fixture(scope="module")
+def local() -> InProcessClient:
+    return connect(engine_kwargs=ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def engine(local):
+    return local.shared.engine
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with BackgroundServer(build_app(engine, ServerConfig(served_model_names=["smol"], api_keys=[KEY]))) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def remote(server) -> RemoteClient:
+    return connect(base_url=server.base_url, api_key=KEY, max_retries=0)
+
+
+def _wait_idle(engine, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.num_in_flight == 0
+
+
+# ---- the two back ends agree -------------------------------------------------------------
+@pytest.mark.parametrize("prompt", ["The capital of France is", MESSAGES])
+def test_remote_answers_equal_in_process_answers(local, remote, prompt):
+    params = _greedy()
+    here, there = (client.batch([prompt], params)[0] for client in (local, remote))
+    assert (here.text, here.finish_reason, here.prompt_tokens, here.completion_tokens) == \
+           (there.text, there.finish_reason, there.prompt_tokens, there.completion_tokens)
+
+
+@pytest.mark.parametrize("client_name", ["local", "remote"])
+def test_stream_adds_up_to_the_whole_with_a_stop_string(request, client_name):
+    """The output processor alone holds back text that may start a stop string: streamed
+    pieces join to the whole completion, which ends before the stop string."""
+    client: EngineClient = request.getfixturevalue(client_name)
+    free = client.complete("1, 2, 3, 4,", _greedy(max_tokens=12)).text
+    stop = free.strip().split()[1]  # a word the model writes after the first
+    whole = client.complete("1, 2, 3, 4,", _greedy(max_tokens=12, stop=[stop]))
+    pieces = list(client.stream_complete("1, 2, 3, 4,", _greedy(max_tokens=12, stop=[stop])))
+    assert whole.text == free[:free.index(stop)] and whole.finish_reason == "stop"
+    assert "".join(p.text for p in pieces) == whole.text
+    assert pieces[-1].finish_reason == "stop" and pieces[-1].prompt_tokens == whole.prompt_tokens
+    assert all(p.finish_reason is None and p.prompt_tokens == 0 for p in pieces[:-1])
+
+
+@pytest.mark.parametrize("client_name", ["local", "remote"])
+def test_cache_salt_keeps_prefixes_apart(request, client_name):
+    """The salt reaches the engine (remotely: in extra_body): the same prompt under another
+    salt starts cold."""
+    client: EngineClient = request.getfixturevalue(client_name)
+    prompt = PREFIX + "Which planet has two moons?"
+    client.complete(prompt, _greedy(max_tokens=1), cache_salt=f"{client_name}-a")
+    warm = client.complete(prompt, _greedy(max_tokens=1), cache_salt=f"{client_name}-a")
+    cold = client.complete(prompt, _greedy(max_tokens=1), cache_salt=f"{client_name}-b")
+    assert warm.cached_tokens >= 64 and cold.cached_tokens == 0
+
+
+def test_stats_and_info(local, remote):
+    """Remote stats come from the server's JSON /v1/stats, keyed as in process."""
+    local.complete("Hello", _greedy(max_tokens=1))
+    here, there = local.stats(), remote.stats()
+    assert here.keys() == there.keys() and there["prefix_cache_queries"] > 0
+    assert (there["max_model_len"], there["block_size"]) == (here["max_model_len"], here["block_size"])
+    assert remote.info().model_name == "smol"
+    assert remote.info().max_model_len == local.info().max_model_len == ENGINE_KWARGS["max_model_len"]
+
+
+# ---- errors ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("client_name", ["local", "remote"])
+def test_bad_input_is_a_value_error(request, client_name):
+    client: EngineClient = request.getfixturevalue(client_name)
+    with pytest.raises(ValueError, match="max_model_len"):
+        client.complete("word " * 600, _greedy())
+    with pytest.raises(ValueError, match="max_model_len"):
+        list(client.stream_chat([{"role": "user", "content": "word " * 600}], _greedy()))
+    with pytest.raises(ValueError, match="content must be a string"):  # inputs.check_conversation's rule
+        client.chat([{"role": "user", "content": 3}], _greedy())
+    with pytest.raises(ValueError, match="one completion per prompt"):
+        client.complete("Hi", _greedy(n=2))
+
+
+def test_remote_errors_are_typed(server):
+    with pytest.raises(RemoteError) as wrong_key:
+        connect(base_url=server.base_url, api_key="wrong", max_retries=0).complete("Hi", _greedy())
+    with pytest.raises(RemoteError) as unknown_model:
+        connect("gpt-9", base_url=server.base_url + "/v1", api_key=KEY, max_retries=0).complete("Hi", _greedy())
+    with pytest.raises(RemoteError) as unreachable:
+        connect(base_url="http://127.0.0.1:9", max_retries=0, timeout=5).complete("Hi", _greedy())
+    assert (wrong_key.value.status_code, unknown_model.value.status_code, unreachable.value.status_code) == \
+           (401, 404, None)
+
+
+def test_remote_retries_while_the_queue_is_full(engine, remote):
+    """The server answers 503 while --max-queue is reached; the SDK retries with backoff."""
+    config = ServerConfig(served_model_names=["smol"], api_keys=[KEY], max_queue=1)
+    with BackgroundServer(build_app(engine, config)) as small:
+        patient = connect(base_url=small.base_url, api_key=KEY, max_retries=8)
+        impatient = connect(base_url=small.base_url, api_key=KEY, max_retries=0)
+        long_run = patient.stream_complete("Count:", _greedy(max_tokens=48, ignore_eos=True))
+        next(long_run)  # in flight: the queue is full
+        with pytest.raises(RemoteError) as refused:
+            impatient.complete("Hi", _greedy(max_tokens=1))
+        assert refused.value.status_code == 503 and "max-queue" in str(refused.value)
+        waiting = asyncio.run(_later(patient.acomplete("Hi", _greedy(max_tokens=1)), long_run))
+        assert waiting.completion_tokens == 1
+
+
+async def _later(call, long_run):
+    """Start ``call`` (refused at first), then finish the long run so that a retry gets in."""
+    task = asyncio.ensure_future(call)
+    await asyncio.sleep(0.2)
+    await asyncio.to_thread(list, long_run)
+    return await task
+
+
+# ---- the synchronous bridge -------------------------------------------------------------------
+def test_sync_calls_work_inside_a_running_event_loop(local):
+    async def notebook_cell():
+        return local.complete("The capital of France is", _greedy(max_tokens=2))
+
+    assert asyncio.run(notebook_cell()).text == local.complete("The capital of France is", _greedy(max_tokens=2)).text
+
+
+def test_sync_call_on_the_bridge_thread_is_refused():
+    async def nested():
+        return run_sync(asyncio.sleep(0))
+
+    with pytest.raises(RuntimeError):
+        run_sync(nested())
+
+
+def test_leaving_a_sync_stream_early_aborts_the_request(local, engine):
+    stream = local.stream_complete("Tell me a long story:", _greedy(max_tokens=300, ignore_eos=True))
+    next(stream)
+    stream.close()
+    _wait_idle(engine, timeout=10)
+    stats = local.stats()
+    assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+
+
+def test_iterate_sync_raises_the_iterators_error():
+    async def failing():
+        yield 1
+        raise KeyError("gone")
+
+    items = iterate_sync(failing())
+    assert next(items) == 1
+    with pytest.raises(KeyError):
+        next(items)
+
+
+def test_remote_async_calls_from_several_event_loops(remote):
+    """Each event loop gets its own pooled SDK client (connections belong to their loop)."""
+    first = asyncio.run(remote.acomplete("Hi", _greedy(max_tokens=2)))
+    second = asyncio.run(remote.acomplete("Hi", _greedy(max_tokens=2)))
+    assert first.text == second.text and first.completion_tokens == second.completion_tokens == 2
+
+
+# ---- one engine batch --------------------------------------------------------------------------
+def test_a_salted_batch_is_one_engine_batch(local, monkeypatch):
+    """Prompts processed on the caller's side (salt included) enter the engine together."""
+    engine = local.shared.engine.engine  # observed, not driven
+    events = []
+    add_request, step = engine.add_request, engine.step
+    monkeypatch.setattr(engine, "add_request", lambda *a, **k: events.append("add") or add_request(*a, **k))
+    monkeypatch.setattr(engine, "step", lambda: events.append("step") or step())
+    prompts = [f"What is {n} plus {n}?" for n in range(1, 5)]
+    local.batch(prompts, _greedy(max_tokens=2), cache_salt="batch")
+    assert events[:len(prompts)] == ["add"] * len(prompts) and "add" not in events[len(prompts):]
+
+
+# ---- deltas ------------------------------------------------------------------------------------
+def test_choice_cursor_sends_everything_it_is_given():
+    """No second hold-back: text the output processor released is sent at once."""
+    cursor = ChoiceCursor(0)
+    first = cursor.advance(CompletionOutput(0, "Hello wor", [1, 2]), wants_logprobs=False)
+    assert (first.text, first.token_ids, first.finish_reason) == ("Hello wor", [1, 2], None)
+    assert cursor.advance(CompletionOutput(0, "Hello wor", [1, 2, 3]), wants_logprobs=False) is None
+    last = cursor.advance(CompletionOutput(0, "Hello world", [1, 2, 3, 4], finish_reason="stop",
+                                           stop_reason="!"), wants_logprobs=False)
+    assert (last.text, last.text_start, last.token_ids, last.finish_reason, last.stop_reason) == \
+           ("ld", 9, [3, 4], "stop", "!")
+    assert cursor.advance(CompletionOutput(0, "Hello world", [1, 2, 3, 4], finish_reason="stop"), False) is None

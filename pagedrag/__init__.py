@@ -14,9 +14,9 @@ if "torch" not in sys.modules:
     # worker/cpu_threads.py); passive waiting must be chosen before torch starts OpenMP.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .config import EngineArgs  # noqa: E402  (after the OpenMP setting)
-from .outputs import CompletionOutput, RequestOutput  # noqa: E402
-from .sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
+from pagedrag.config import EngineArgs  # noqa: E402  (after the OpenMP setting)
+from pagedrag.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pagedrag.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 
 __version__ = "0.2.0"
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "BeamSearchParams",
@@ -44,9 +44,9 @@ if os.environ.get("PAGEDRAG_CONFIGURE_LOGGING") == "1":
 def __getattr__(name):
     """LLM and LLMEngine load torch models: import them only when asked for."""
     if name == "LLM":
-        from .llm import LLM
+        from pagedrag.entrypoints.llm import LLM
         return LLM
     if name == "LLMEngine":
-        from .engine import LLMEngine
+        from pagedrag.engine.llm_engine import LLMEngine
         return LLMEngine
     raise AttributeError(f"module 'pagedrag' has no attribute {name!r}")

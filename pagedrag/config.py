@@ -116,8 +116,8 @@ class EngineArgs:
 
     def model_source(self):
         """Where load_model finds the model and tokenizer (pagedrag.models.loader.ModelSource)."""
-        from .models.hub import HubOptions
-        from .models.loader import ModelSource
+        from pagedrag.models.hub import HubOptions
+        from pagedrag.models.loader import ModelSource
 
         return ModelSource(HubOptions(self.revision, self.download_dir, self.hf_token), self.tokenizer,
                            self.trust_remote_code)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .outputs import CompletionOutput
+from pagedrag.outputs import CompletionOutput
 
 
 @dataclass

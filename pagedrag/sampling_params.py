@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .text_checks import check_bool, check_float, check_int, check_utf8
+from pagedrag.text_checks import check_bool, check_float, check_int, check_utf8
 
 logger = logging.getLogger("pagedrag")
 

@@ -8,7 +8,7 @@ from pagedrag.core.block_hash import extend_block_hashes
 from pagedrag.core.block_pool import BlockPool
 from pagedrag.core.kv_cache_manager import KVCacheManager
 from pagedrag.core.scheduler import Scheduler
-from pagedrag.request import Request
+from pagedrag.core.request import Request
 from pagedrag.sampling_params import SamplingParams
 
 BLOCK = 4

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, pre_tokenizers
 
-from pagedrag.canonical import (ORDERS, Chunk, PromptCanonicalizer, VolatileSystemPromptWarning, as_chunk,
+from pagedrag.rag.canonical import (ORDERS, Chunk, PromptCanonicalizer, VolatileSystemPromptWarning, as_chunk,
                                 canonical_order, detect_volatile)
 from pagedrag.rag.ordering import ChunkOrder, canonical_items, check_cache_aware
 from pagedrag.rag.tokenizer import load_tokenizer

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pagedrag.detokenizer import IncrementalDetokenizer, StopChecker
+from pagedrag.engine.detokenizer import IncrementalDetokenizer, StopChecker
 
 MIXED_TEXT = "Héllo 世界! 🎉👍🏽 naïve café — 日本語のテキスト, ok. Ünïcödé ✓ done"
 PROMPT = "<|im_start|>user\nSay something 多语言<|im_end|>\n<|im_start|>assistant\n"

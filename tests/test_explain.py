@@ -4,9 +4,9 @@ import argparse
 
 import pytest
 
-from pagedrag.canonical import Chunk, PromptCanonicalizer
+from pagedrag.rag.canonical import Chunk, PromptCanonicalizer
 from pagedrag.config import EngineArgs
-from pagedrag.explain import add_arguments, classify, explain, explain_against_engine, run
+from pagedrag.rag.explain import add_arguments, classify, explain, explain_against_engine, run
 from pagedrag.rag.tokenizer import load_tokenizer
 
 PREAMBLE = ("You are the support assistant of ACME Tools. Answer only from the documents below, "
@@ -183,7 +183,7 @@ def test_cli_errors(argv, message, capsys, tmp_path, monkeypatch):
 
 
 def test_inserted_timestamp_is_a_timestamp_not_a_reordering():
-    from pagedrag.explain import classify
+    from pagedrag.rag.explain import classify
     base = "You are a helpful assistant. Answer from the documents below."
     stamped = "Today is 2026-11-29 10:41:07. " + base
     assert classify(stamped, base, 0) == "timestamp"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedrag import LLM, SamplingParams
-from pagedrag.recovery import MAX_CONSECUTIVE_FAILED_STEPS, EngineDeadError
+from pagedrag.engine.recovery import MAX_CONSECUTIVE_FAILED_STEPS, EngineDeadError
 from model_fixtures import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

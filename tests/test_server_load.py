@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedrag import EngineArgs
-from pagedrag.async_engine import AsyncLLMEngine
+from pagedrag.entrypoints.async_engine import AsyncLLMEngine
 from pagedrag.server.app import build_app
 from pagedrag.server.background import BackgroundServer
 from pagedrag.server.serving import ServerConfig

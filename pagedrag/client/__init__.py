@@ -6,8 +6,8 @@ chat, results as ``Generation``) over two back ends, chosen by ``connect``:
 - ``inprocess``: an AsyncLLMEngine shared by every client of the same engine arguments;
 - ``remote``: a ``pagedrag serve`` through the official openai SDK.
 
-``bridge`` runs the synchronous forms on a private event loop; ``rag_prompts`` holds the
-RAG prompt helpers both integrations use.
+``bridge`` runs the synchronous forms on a private event loop. RAG tools (prompt
+helpers, chunk order) are in ``pagedrag.rag``.
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ from typing import Any
 
 import openai
 
-from .bridge import iterate_sync, run_sync
-from .inprocess import InProcessClient, SharedEngine, shared_engine
-from .rag_prompts import RAG_SYSTEM_PROMPT, canonical_items, canonical_template_messages
-from .remote import RemoteClient, RemoteError
-from .types import DEFAULT_MODEL_NAME, EngineClient, EngineInfo, Generation, Messages, Prompt, sampling_params
+from pagedrag.client.bridge import iterate_sync, run_sync
+from pagedrag.client.inprocess import InProcessClient, SharedEngine, shared_engine
+from pagedrag.client.remote import RemoteClient, RemoteError
+from pagedrag.client.types import DEFAULT_MODEL_NAME, EngineClient, EngineInfo, Generation, Messages, Prompt, sampling_params
 
-__all__ = ["DEFAULT_MODEL_NAME", "RAG_SYSTEM_PROMPT", "EngineClient", "EngineInfo", "Generation",
-           "InProcessClient", "Messages", "Prompt", "RemoteClient", "RemoteError", "SharedEngine",
-           "canonical_items", "canonical_template_messages", "connect", "iterate_sync", "run_sync",
+__all__ = ["DEFAULT_MODEL_NAME", "EngineClient", "EngineInfo", "Generation", "InProcessClient", "Messages",
+           "Prompt", "RemoteClient", "RemoteError", "SharedEngine", "connect", "iterate_sync", "run_sync",
            "sampling_params", "shared_engine"]
 
 

@@ -10,14 +10,14 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..async_engine import AsyncLLMEngine, RequestStream
-from ..config import EngineArgs
-from ..deltas import ChoiceCursor, ChoiceDelta
-from ..inputs import ProcessedPrompt
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
-from .bridge import run_sync
-from .types import EngineClient, EngineInfo, Generation, Prompt, check_single, collect
+from pagedrag.entrypoints.async_engine import AsyncLLMEngine, RequestStream
+from pagedrag.config import EngineArgs
+from pagedrag.deltas import ChoiceCursor, ChoiceDelta
+from pagedrag.engine.inputs import ProcessedPrompt
+from pagedrag.outputs import RequestOutput
+from pagedrag.sampling_params import SamplingParams
+from pagedrag.client.bridge import run_sync
+from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, check_single, collect
 
 _Submission = tuple[ProcessedPrompt, SamplingParams, "asyncio.Future[RequestStream]"]
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import openai
 
-from ..sampling_params import SamplingParams
-from .types import EngineClient, EngineInfo, Generation, Prompt, check_single
+from pagedrag.sampling_params import SamplingParams
+from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, check_single
 
 # SamplingParams fields that the SDK's create() names, always sent; the others are extras
 _OPENAI_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "stop", "max_tokens")

@@ -3,7 +3,7 @@
 A back end (in process, remote) implements four async primitives; the completion, chat,
 batch and synchronous forms are derived here once, so that both back ends behave alike.
 A text prompt is a completion, a list of ``{"role", "content"}`` messages a chat, checked
-by ``pagedrag.inputs.check_conversation`` (the one rule, the engine's own).
+by ``pagedrag.engine.inputs.check_conversation`` (the one rule, the engine's own).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..inputs import check_conversation
-from ..models.loader import EMBEDDED_NAME
-from ..sampling_params import SamplingParams
-from .bridge import iterate_sync, run_sync
+from pagedrag.engine.inputs import check_conversation
+from pagedrag.models.loader import EMBEDDED_NAME
+from pagedrag.sampling_params import SamplingParams
+from pagedrag.client.bridge import iterate_sync, run_sync
 
 DEFAULT_MODEL_NAME = EMBEDDED_NAME
 Messages = list[dict[str, str]]

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .block_hash import BlockHash
+from pagedrag.core.block_hash import BlockHash
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..request import Request
-from .block_pool import BlockPool, KVBlock, blocks_for
+from pagedrag.core.request import Request
+from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 
 
 @dataclass

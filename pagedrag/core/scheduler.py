@@ -21,8 +21,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..request import Request, RequestStatus
-from .kv_cache_manager import KVCacheManager, SwapPlan
+from pagedrag.core.request import Request, RequestStatus
+from pagedrag.core.kv_cache_manager import KVCacheManager, SwapPlan
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 from pagedrag.client import EngineClient, Prompt, connect, sampling_params
 from pagedrag.sampling_params import SamplingParams
 
-from .prefix_probe import cached_prefix_len
+from pagedrag.rag.prefix_probe import cached_prefix_len
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MAX_TOKENS = 256

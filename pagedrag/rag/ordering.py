@@ -2,7 +2,7 @@
 integrations: every order the canonicalizer has, and an optional token budget.
 
 The items stay the framework's own objects; ``to_chunk`` shows each to the canonicalizer
-(``pagedrag.canonical.canonical_order``) and ``with_text`` makes the copy of an item that
+(``pagedrag.rag.canonical.canonical_order``) and ``with_text`` makes the copy of an item that
 the budget cut short.
 """
 
@@ -12,13 +12,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeVar
 
-from pagedrag.canonical import Chunk, PromptCanonicalizer, canonical_order
+from pagedrag.rag.canonical import Chunk, PromptCanonicalizer, canonical_order
 
-from .tokenizer import load_tokenizer
+from pagedrag.rag.tokenizer import load_tokenizer
 
 T = TypeVar("T")
 ChunkOrder = Literal["stable", "cache_aware", "relevance"]
-"""The orders of ``pagedrag.canonical.ORDERS``, as a type the integrations' fields declare."""
+"""The orders of ``pagedrag.rag.canonical.ORDERS``, as a type the integrations' fields declare."""
 
 
 def check_cache_aware(order: str, engine: Any) -> None:

@@ -10,15 +10,16 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .. import __version__
-from ..async_engine import AsyncLLMEngine, EngineDeadError
-from .auth import ApiKeyMiddleware
-from .body_limit import BodySizeLimitMiddleware
-from .chat import create_chat_completion
-from .completions import create_completion
-from .errors import engine_dead, install_error_handlers
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from .serving import ServerConfig, Serving
+from pagedrag import __version__
+from pagedrag.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedrag.server import legacy, tokenize
+from pagedrag.server.auth import ApiKeyMiddleware
+from pagedrag.server.body_limit import BodySizeLimitMiddleware
+from pagedrag.server.chat import create_chat_completion
+from pagedrag.server.completions import create_completion
+from pagedrag.server.errors import engine_dead, install_error_handlers
+from pagedrag.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pagedrag.server.serving import ServerConfig, Serving
 
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
@@ -69,4 +70,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def chat_completions(request: ChatCompletionRequest, http_request: Request):
         return await create_chat_completion(serving, request, http_request)
 
+    app.include_router(tokenize.router)
+    app.include_router(legacy.router)
     return app

@@ -12,7 +12,7 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import APIError
+from pagedrag.server.errors import APIError
 
 PROTECTED_PREFIX = "/v1"
 

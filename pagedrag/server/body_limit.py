@@ -6,7 +6,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import APIError
+from pagedrag.server.errors import APIError
 
 
 class BodySizeLimitMiddleware:

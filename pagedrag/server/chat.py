@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from ..deltas import ChoiceDelta
-from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+from pagedrag.deltas import ChoiceDelta
+from pagedrag.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                        ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, DeltaMessage)
-from .serving import Envelope, Run, Serving
-from .sse import sse_response
-from .streams import unless_disconnected
+from pagedrag.server.serving import Envelope, Run, Serving
+from pagedrag.server.sse import sse_response
+from pagedrag.server.streams import unless_disconnected
 
 
 async def create_chat_completion(serving: Serving, request: ChatCompletionRequest,

@@ -11,8 +11,9 @@ import dataclasses
 import logging
 import types
 import typing
+from pathlib import Path
 
-from ..config import EngineArgs
+from pagedrag.config import EngineArgs
 
 logger = logging.getLogger("pagedrag")
 
@@ -23,7 +24,8 @@ MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help="a model folder or local HF cache name (default: the embedded SmolLM2-135M-Instruct)")
+                        help="a model folder, a .gguf file, or a Hugging Face hub name (downloaded unless "
+                             "HF_HUB_OFFLINE is set); default: the embedded SmolLM2-135M-Instruct")
     engine = parser.add_argument_group("engine (pagedrag.EngineArgs)")
     hints = typing.get_type_hints(EngineArgs)
     for field in dataclasses.fields(EngineArgs):
@@ -43,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--max-request-bytes", type=_positive_int, default=MAX_REQUEST_BYTES, metavar="N",
                         help="answer 413 to request bodies larger than N bytes, before parsing them "
                              "(default: %(default)s, 4 MiB)")
+    server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template (a file, or the template itself) used instead of "
+                             "the model's own for /v1/chat/completions")
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a chat template sent with a request (rendered in a sandboxed worker "
                              "with time and size limits); off by default, as in vLLM since its advisory "
@@ -74,7 +79,9 @@ def _seconds(text: str) -> float:
 def _add_engine_flag(group: argparse._ArgumentGroup, field: dataclasses.Field, hint) -> None:
     flag = "--" + field.name.replace("_", "-")
     kind = _base_type(hint)
-    help_text = f"EngineArgs.{field.name} (default: {field.default})"
+    help_text = field.metadata.get("help", "")
+    if "default" not in help_text:
+        help_text += f" (default: {field.default})"
     if kind is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
     else:
@@ -93,15 +100,24 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
 
 
+def _template_text(value: str | None) -> str | None:
+    """--chat-template's text: the file it names, or the value itself (as vLLM reads it)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    return path.read_text() if path.is_file() else value
+
+
 def server_config_from(args: argparse.Namespace, model_name: str):
     """The ServerConfig of the server flags; ``model_name`` is served when no
     --served-model-name is given."""
-    from .serving import ServerConfig
+    from pagedrag.server.serving import ServerConfig
 
     return ServerConfig(served_model_names=args.served_model_names or [model_name],
                         api_keys=args.api_keys, max_queue=args.max_queue,
                         salt_by_api_key=args.salt_by_api_key,
                         max_request_bytes=args.max_request_bytes,
+                        chat_template=_template_text(args.chat_template),
                         trust_request_chat_template=args.trust_request_chat_template)
 
 
@@ -112,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
     --shutdown-timeout seconds, then are aborted (finish_reason "abort"); run() then
     returns 0. A second signal ends the process at once (pagedrag.server.shutdown).
     """
-    from ..async_engine import AsyncLLMEngine
-    from .app import build_app
-    from .shutdown import DrainingServer
+    from pagedrag.entrypoints.async_engine import AsyncLLMEngine
+    from pagedrag.server.app import build_app
+    from pagedrag.server.shutdown import DrainingServer
 
     try:
         engine_args = engine_args_from(args)

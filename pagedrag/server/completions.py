@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
-from ..deltas import ChoiceDelta
-from .protocol import CompletionChoice, CompletionRequest, CompletionResponse
-from .serving import Envelope, Run, Serving
-from .sse import sse_response
-from .streams import unless_disconnected
+from pagedrag.deltas import ChoiceDelta
+from pagedrag.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from pagedrag.server.serving import Envelope, Run, Serving
+from pagedrag.server.sse import sse_response
+from pagedrag.server.streams import unless_disconnected
 
 
 async def create_completion(serving: Serving, request: CompletionRequest,

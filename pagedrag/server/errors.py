@@ -18,9 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ..recovery import EngineDeadError, RequestFailedError
-from .protocol import ErrorDetail, ErrorResponse
-from .streams import ClientDisconnected
+from pagedrag.engine.recovery import EngineDeadError, RequestFailedError
+from pagedrag.server.protocol import ErrorDetail, ErrorResponse
+from pagedrag.server.streams import ClientDisconnected
 
 logger = logging.getLogger("pagedrag")
 

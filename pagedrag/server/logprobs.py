@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from itertools import accumulate
 
-from ..deltas import ChoiceDelta
-from .protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from pagedrag.deltas import ChoiceDelta
+from pagedrag.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 
 class LogprobFormatter:

@@ -16,8 +16,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from ..sampling_params import MAX_LOGPROBS, SamplingParams
-from ..text_checks import check_utf8
+from pagedrag.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedrag.text_checks import check_utf8
 
 logger = logging.getLogger("pagedrag")
 
@@ -68,8 +68,10 @@ class StreamOptions(StrictRequest):
 class SamplingRequest(StrictRequest):
     """The fields /v1/completions and /v1/chat/completions share."""
 
-    # field -> the values that mean "not used" (null is always accepted)
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"logit_bias": ({},)}
+    # field -> the values that mean "not used" (null is always accepted); anything else is a 400
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        name: () for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                              "structured_outputs", "guided_decoding_backend", "use_beam_search")}
 
     model: str | None = None
     n: int = 1
@@ -90,7 +92,11 @@ class SamplingRequest(StrictRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -133,7 +139,17 @@ class SamplingRequest(StrictRequest):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=self.max_new_tokens(), min_tokens=self.min_tokens, logprobs=self.num_logprobs(),
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids") from None
 
 
 class CompletionRequest(SamplingRequest):

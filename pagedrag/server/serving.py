@@ -10,17 +10,17 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from ..async_engine import AsyncLLMEngine
-from ..deltas import ChoiceCursor, ChoiceDelta
-from ..inputs import ProcessedPrompt
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
-from .auth import bearer_token, tenant_cache_salt
-from .errors import APIError, as_api_error, engine_dead
-from .logprobs import LogprobFormatter
-from .chat_template import RequestTemplateRenderer
-from .protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, SamplingRequest, Usage
-from .streams import merge_streams, unless_disconnected
+from pagedrag.entrypoints.async_engine import AsyncLLMEngine
+from pagedrag.deltas import ChoiceCursor, ChoiceDelta
+from pagedrag.engine.inputs import ProcessedPrompt
+from pagedrag.outputs import RequestOutput
+from pagedrag.sampling_params import SamplingParams
+from pagedrag.server.auth import bearer_token, tenant_cache_salt
+from pagedrag.server.errors import APIError, as_api_error, engine_dead
+from pagedrag.server.logprobs import LogprobFormatter
+from pagedrag.server.chat_template import RequestTemplateRenderer
+from pagedrag.server.protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, SamplingRequest, Usage
+from pagedrag.server.streams import merge_streams, unless_disconnected
 
 
 @dataclass
@@ -31,6 +31,7 @@ class ServerConfig:
     salt_by_api_key: bool = False
     max_request_bytes: int = 4 * 1024 * 1024  # larger bodies get 413 before they are parsed
     trust_request_chat_template: bool = False  # accept a chat template sent with a request
+    chat_template: str | None = None  # the operator's template (--chat-template), else the model's
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,11 @@ class Serving:
         try:
             template = request.request_chat_template()
             if template is None:
+                kwargs = request.template_kwargs()
+                if self.config.chat_template is not None:
+                    kwargs["chat_template"] = self.config.chat_template
                 return await self.engine.preprocess(lambda inputs: inputs.render_chat(
-                    conversation, request.add_generation_prompt, salt, **request.template_kwargs()))
+                    conversation, request.add_generation_prompt, salt, **kwargs))
             text = await self._render_request_template(template, request)
             return await self.engine.preprocess(lambda inputs: inputs.process_chat_text(text, salt))
         except APIError:

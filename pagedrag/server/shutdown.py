@@ -24,7 +24,7 @@ from types import FrameType
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
-from ..async_engine import AsyncLLMEngine
+from pagedrag.entrypoints.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("pagedrag")
 

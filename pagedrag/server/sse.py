@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
-from .errors import as_api_error
+from pagedrag.server.errors import as_api_error
 
 DONE = "data: [DONE]\n\n"
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.attention import AttentionMetadata
+from pagedrag.models.attention import AttentionMetadata
 
 MAX_PREFILL_TOKENS = 256
 

@@ -9,10 +9,10 @@ from types import ModuleType
 
 import torch
 
-from ..config import GIB_BYTES
-from ..core.block_pool import blocks_for
-from ..core.kv_cache_manager import SwapPlan
-from .transfer import host_to_device
+from pagedrag.config import GIB_BYTES
+from pagedrag.core.block_pool import blocks_for
+from pagedrag.core.kv_cache_manager import SwapPlan
+from pagedrag.worker.transfer import host_to_device
 
 logger = logging.getLogger("pagedrag")
 

@@ -22,15 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernels
-from ..core.block_pool import blocks_for
-from ..core.scheduler import ScheduledRequest, SchedulerOutput
-from ..models.attention import AttentionMetadata
-from ..request import Request
-from .cuda_graphs import StepGraphs
-from .kv_cache import KVCacheTensors
-from .sampler import Sample, Sampler, SamplerOutput, SamplingBatch, unpack_samples
-from .transfer import device_to_host, host_to_device
+from pagedrag import kernels
+from pagedrag.core.block_pool import blocks_for
+from pagedrag.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedrag.models.attention import AttentionMetadata
+from pagedrag.core.request import Request
+from pagedrag.worker.cuda_graphs import StepGraphs
+from pagedrag.worker.kv_cache import KVCacheTensors
+from pagedrag.worker.sampler import Sample, Sampler, SamplerOutput, SamplingBatch, unpack_samples
+from pagedrag.worker.transfer import device_to_host, host_to_device
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import Field, model_validator
 
-from pagedrag.canonical import DEFAULT_CHUNK_TEMPLATE, Chunk, PromptCanonicalizer
+from pagedrag.rag.canonical import DEFAULT_CHUNK_TEMPLATE, Chunk, PromptCanonicalizer
 from pagedrag.rag.ordering import ChunkOrder, canonical_items, check_cache_aware
 
 from .chat_models import ChatPagedRAG
@@ -27,7 +27,7 @@ class CanonicalDocuments(RunnableSerializable[list[Document], list[Document]]):
         context = retriever | CanonicalDocuments() | format_documents
         context = retriever | CanonicalDocuments(order="cache_aware", llm=chat) | format_documents
 
-    Orders (see ``pagedrag.canonical.canonical_order``): "stable" sorts by
+    Orders (see ``pagedrag.rag.canonical.canonical_order``): "stable" sorts by
     ``metadata["source"]`` (else the document id), then ``metadata["start_index"]``, then a
     hash of the text; "cache_aware" starts from that and greedily puts first the documents
     that extend the prefix ``llm``'s engine holds for its ``cache_salt``, probing the prompt

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from langchain_core.prompts import ChatPromptTemplate
 
-from pagedrag.client import RAG_SYSTEM_PROMPT, canonical_template_messages
+from pagedrag.rag.prompts import RAG_SYSTEM_PROMPT, canonical_template_messages
 
 PAGEDRAG_RAG_PROMPT = ChatPromptTemplate.from_messages(
     [(m["role"], m["content"]) for m in canonical_template_messages(RAG_SYSTEM_PROMPT, "Context:\n{context}",

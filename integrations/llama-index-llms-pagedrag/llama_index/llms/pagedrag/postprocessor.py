@@ -9,7 +9,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from pagedrag.canonical import Chunk
+from pagedrag.rag.canonical import Chunk
 from pagedrag.rag.ordering import ChunkOrder, canonical_items, check_cache_aware
 
 from .base import PagedRAG, engine_messages
@@ -21,7 +21,7 @@ class CanonicalNodePostprocessor(BaseNodePostprocessor):
 
     Two queries that retrieve the same nodes (or sets that start with the same nodes)
     then build prompts with the same leading tokens, which the prefix cache serves.
-    Orders (see ``pagedrag.canonical.canonical_order``): "stable" sorts by source document
+    Orders (see ``pagedrag.rag.canonical.canonical_order``): "stable" sorts by source document
     id, then start position, then a hash of the text; "cache_aware" starts from that and
     greedily puts first the nodes that extend the prefix ``llm``'s engine holds for its
     ``cache_salt``, probing the prompt as the query engine renders it with ``qa_template``;

@@ -16,7 +16,7 @@ from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.prompts import ChatPromptTemplate
 from llama_index.core.prompts.prompt_type import PromptType
 
-from pagedrag.client import RAG_SYSTEM_PROMPT, canonical_template_messages
+from pagedrag.rag.prompts import RAG_SYSTEM_PROMPT, canonical_template_messages
 
 REFINE_SYSTEM_PROMPT = ("You are an expert Q&A system that refines an existing answer. Rewrite the existing "
                         "answer using the new context given before the question, or repeat it unchanged if the "

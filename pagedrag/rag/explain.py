@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from pagedrag.canonical import CachedPrefixSource, detect_volatile
+from pagedrag.rag.canonical import CachedPrefixSource, detect_volatile
 from pagedrag.config import EngineArgs
 from pagedrag.rag.tokenizer import load_tokenizer
 

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from .beam_search import BeamSearchOutput, run_beam_search
-from .config import EngineArgs
-from .engine import LLMEngine
-from .inputs import Conversation, PromptType
-from .outputs import RequestOutput
-from .sampling_params import BeamSearchParams, SamplingParams
+from pagedrag.entrypoints.beam_search import BeamSearchOutput, run_beam_search
+from pagedrag.config import EngineArgs
+from pagedrag.engine.llm_engine import LLMEngine
+from pagedrag.engine.inputs import Conversation, PromptType
+from pagedrag.outputs import RequestOutput
+from pagedrag.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger("pagedrag")
 

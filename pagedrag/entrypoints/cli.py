@@ -12,15 +12,15 @@ DESCRIPTION = ("pagedrag: a paged-attention LLM engine with prefix caching for R
                "or find out why two prompts do not share cached blocks.")
 SUBCOMMANDS = {
     "serve": ("pagedrag.server.cli", "an OpenAI-compatible server with Prometheus /metrics"),
-    "demo": ("pagedrag.demo", "a small RAG example with prefix-cache readouts"),
-    "bench": ("pagedrag.bench", "a RAG-shaped throughput / TTFT benchmark"),
-    "explain": ("pagedrag.explain", "why two prompts do not share prefix-cache blocks"),
+    "demo": ("pagedrag.entrypoints.demo", "a small RAG example with prefix-cache readouts"),
+    "bench": ("pagedrag.entrypoints.bench", "a RAG-shaped throughput / TTFT benchmark"),
+    "explain": ("pagedrag.rag.explain", "why two prompts do not share prefix-cache blocks"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from . import __version__, configure_logging
+    from pagedrag import __version__, configure_logging
 
     configure_logging()
     parser = argparse.ArgumentParser(

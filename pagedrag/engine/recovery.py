@@ -1,6 +1,6 @@
 """What the engine does when a step raises: fail only the requests the error traces to.
 
-Validation at the edge (pagedrag.inputs) keeps known bad input out of steps; this is
+Validation at the edge (pagedrag.engine.inputs) keeps known bad input out of steps; this is
 the net under it. A step that raises leaves the engine consistent once every request
 it touched (its suspects) starts over from its known tokens, as after a preemption by
 recompute. One suspect is the cause and fails alone. Several are put on probation:

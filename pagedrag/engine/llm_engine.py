@@ -14,24 +14,24 @@ import time
 
 import torch
 
-from .config import DEFAULT_CPU_KV_FRACTION, GIB_BYTES, EngineArgs
-from .core.block_pool import blocks_for
-from .core.kv_cache_manager import KVCacheManager
-from .core.scheduler import Scheduler, SchedulerOutput
-from .inputs import InputProcessor, ProcessedPrompt, PromptType
-from .metrics import EngineMetrics
-from .stats_log import StatsLog
-from .models.loader import load_model
-from .output_processor import (RequestGroup, StopPolicy, mark_first_token, new_sequence_text,
+from pagedrag.config import DEFAULT_CPU_KV_FRACTION, GIB_BYTES, EngineArgs
+from pagedrag.core.block_pool import blocks_for
+from pagedrag.core.kv_cache_manager import KVCacheManager
+from pagedrag.core.scheduler import Scheduler, SchedulerOutput
+from pagedrag.engine.inputs import InputProcessor, ProcessedPrompt, PromptType
+from pagedrag.metrics import EngineMetrics
+from pagedrag.engine.stats_log import StatsLog
+from pagedrag.models.loader import load_model
+from pagedrag.engine.output_processor import (RequestGroup, StopPolicy, mark_first_token, new_sequence_text,
                                record_logprobs, update_text)
-from .outputs import RequestOutput
-from .recovery import EngineDeadError, Probation, is_device_failure
-from .request import Request, RequestStatus
-from .sampling_params import SamplingParams
-from .worker.kv_cache import CacheShape, KVCacheTensors, available_cpu_memory, log_pool
-from .worker.model_runner import InflightTokens, ModelRunner, SamplingRow
-from .worker.cpu_threads import configure_cpu_threads
-from .worker.sampler import Sample
+from pagedrag.outputs import RequestOutput
+from pagedrag.engine.recovery import EngineDeadError, Probation, is_device_failure
+from pagedrag.core.request import Request, RequestStatus
+from pagedrag.sampling_params import SamplingParams
+from pagedrag.worker.kv_cache import CacheShape, KVCacheTensors, available_cpu_memory, log_pool
+from pagedrag.worker.model_runner import InflightTokens, ModelRunner, SamplingRow
+from pagedrag.worker.cpu_threads import configure_cpu_threads
+from pagedrag.worker.sampler import Sample
 
 logger = logging.getLogger("pagedrag")
 
@@ -83,7 +83,7 @@ class LLMEngine:
 
     def _make_runner(self, module: torch.nn.Module, num_cpu_blocks: int) -> ModelRunner:
         """The model runner over a fresh KV pool, with CUDA graphs unless enforce_eager."""
-        from . import kernels
+        from pagedrag import kernels
         cache = KVCacheTensors(self.shape, self.num_blocks, num_cpu_blocks, self.device,
                                kernels.ops_for(self.device))
         eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
@@ -180,7 +180,7 @@ class LLMEngine:
         stops computes one token more, which is dropped. Without it (the default on CPU,
         where nothing would overlap) each step returns its own tokens.
 
-        A step that raises fails only the requests it traces to (pagedrag.recovery): their
+        A step that raises fails only the requests it traces to (pagedrag.engine.recovery): their
         outputs come back finished, with ``error`` set. Raises EngineDeadError (or the device's
         error) only when the device or the model is broken.
         """

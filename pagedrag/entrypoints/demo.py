@@ -54,9 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import LLM, SamplingParams
-    from .canonical import PromptCanonicalizer
-    from .explain import explain
+    from pagedrag import LLM, SamplingParams
+    from pagedrag.rag.canonical import PromptCanonicalizer
+    from pagedrag.rag.explain import explain
 
     llm = LLM(args.model, max_model_len=2048, enable_prefix_caching=not args.no_prefix_caching)
     canonical = PromptCanonicalizer(SYSTEM_PROMPT, tokenizer=llm.get_tokenizer())

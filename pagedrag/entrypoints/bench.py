@@ -1,7 +1,7 @@
 """The RAG-shaped workload and `pagedrag bench`, which runs it through the engine.
 
 A workload request is a fixed system prompt, 3 to 5 chunks drawn from a pool of
-documents (the standard library's docstrings, see pagedrag.corpus) and a question.
+documents (the standard library's docstrings, see pagedrag.rag.corpus) and a question.
 Chunk sets repeat across requests, as they do when many users ask about the same
 documents, so a warm prefix cache has something to hit.
 """
@@ -14,7 +14,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from .corpus import DocChunk, stdlib_chunks
+from pagedrag.rag.corpus import DocChunk, stdlib_chunks
 
 SYSTEM_PROMPT = ("You are a helpful assistant for Python programmers. Answer the question using "
                  "only the documentation excerpts given below, quoting names exactly. If the "
@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import LLM, SamplingParams
+    from pagedrag import LLM, SamplingParams
 
     llm = LLM(args.model, max_model_len=2048, max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=not args.no_prefix_caching)

@@ -13,8 +13,8 @@ import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .sampling_params import SamplingParams
-from .text_checks import check_int, check_utf8
+from pagedrag.sampling_params import SamplingParams
+from pagedrag.text_checks import check_int, check_utf8
 
 PromptType = str | Sequence[int] | Mapping
 Conversation = list[dict]
@@ -137,12 +137,17 @@ class InputProcessor:
         """A conversation through the model's chat template (the tokenizer's, rendered in
         Jinja's sandbox by transformers; ``template_kwargs`` may carry a caller's own
         ``chat_template`` and ``continue_final_message``), checked like any prompt."""
+        text = self.render_chat_text(conversation, add_generation_prompt, **template_kwargs)
+        return self.process_chat_text(text, cache_salt)
+
+    def render_chat_text(self, conversation: Conversation, add_generation_prompt: bool = True,
+                         **template_kwargs) -> str:
+        """The conversation through the chat template, as text (not yet checked or tokenized)."""
         conversation = normalize_conversation(conversation)
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template, and this model has none")
-        text = self.tokenizer.apply_chat_template(
+        return self.tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        return self.process_chat_text(text, cache_salt)
 
     def process_chat_text(self, text: str, cache_salt: str | None = None) -> ProcessedPrompt:
         """A rendered chat: its special tokens are in the text, so none are added."""

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .core.block_hash import BlockHash, extend_block_hashes
-from .outputs import RequestMetrics
-from .sampling_params import SamplingParams
+from pagedrag.core.block_hash import BlockHash, extend_block_hashes
+from pagedrag.outputs import RequestMetrics
+from pagedrag.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

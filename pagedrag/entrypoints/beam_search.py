@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .engine import LLMEngine
-from .outputs import RequestOutput
-from .sampling_params import BeamSearchParams, SamplingParams
+from pagedrag.engine.llm_engine import LLMEngine
+from pagedrag.outputs import RequestOutput
+from pagedrag.sampling_params import BeamSearchParams, SamplingParams
 
 # Runs prompts to completion (LLM.generate without a progress bar).
 Generate = Callable[[list, SamplingParams], list[RequestOutput]]

@@ -25,12 +25,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from .config import EngineArgs
-from .engine import LLMEngine
-from .inputs import InputProcessor, ProcessedPrompt, PromptType
-from .outputs import RequestOutput
-from .recovery import EngineDeadError, RequestFailedError
-from .sampling_params import SamplingParams
+from pagedrag.config import EngineArgs
+from pagedrag.engine.llm_engine import LLMEngine
+from pagedrag.engine.inputs import InputProcessor, ProcessedPrompt, PromptType
+from pagedrag.outputs import RequestOutput
+from pagedrag.engine.recovery import EngineDeadError, RequestFailedError
+from pagedrag.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "ModelInfo", "RequestFailedError", "RequestStream"]
 # Threads that tokenize prompts (each with its own tokenizer copy), off the engine thread

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .detokenizer import IncrementalDetokenizer, StopChecker
-from .outputs import CompletionOutput, RequestOutput
-from .request import Request, RequestStatus
+from pagedrag.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from pagedrag.outputs import CompletionOutput, RequestOutput
+from pagedrag.core.request import Request, RequestStatus
 
 
 @dataclass(eq=False)

@@ -69,3 +69,16 @@ def test_default_sampling_params_and_reset_prefix_cache(llm):
     llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     llm.reset_prefix_cache()
     assert llm.stats()["num_cached_blocks"] == 0
+
+
+def test_logprobs_are_vllm_logprob_objects(llm):
+    from pagedrag.outputs import Logprob
+
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert all(isinstance(lp, Logprob) for lp in entry.values())
+        assert entry[token].rank == 1  # greedy: the sampled token is the most likely
+        ranks = sorted(lp.rank for t, lp in entry.items())
+        assert ranks[:2] == [1, 2] and entry[token].decoded_token == llm.get_tokenizer().decode([token])
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedrag.core.block_hash import BlockHash, extend_block_hashes
-from pagedrag.outputs import RequestMetrics
+from pagedrag.outputs import Logprob, RequestMetrics
 from pagedrag.sampling_params import SamplingParams
 
 
@@ -58,7 +58,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     num_inflight_tokens: int = 0  # sampled on the device, not yet read back (async scheduling)
     pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized

@@ -50,6 +50,8 @@ class LLMEngine:
                             max_model_len=args.max_model_len, source=args.model_source())
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
+        self._decode_token = None if self.tokenizer is None else (
+            lambda token: self.tokenizer.decode([token], skip_special_tokens=False))  # a Logprob's text
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = set(loaded.eos_token_ids)
@@ -306,7 +308,7 @@ class LLMEngine:
 
     def _after_token(self, seq: Request, sample: Sample) -> None:
         seq.append_token(sample.token_id)
-        record_logprobs(seq, sample)
+        record_logprobs(seq, sample, self._decode_token)
         self._observe_latency(seq)
         group = self.groups[seq.group_id]
         status = self.stop_policy.check_token(seq)

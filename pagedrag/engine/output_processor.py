@@ -7,10 +7,11 @@ group is finished once each of its sequences is.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedrag.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from pagedrag.outputs import CompletionOutput, RequestOutput
+from pagedrag.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrag.core.request import Request, RequestStatus
 
 
@@ -100,11 +101,16 @@ def update_text(text: SequenceText, seq: Request, finishing: bool) -> RequestSta
     return None
 
 
-def record_logprobs(seq: Request, sample) -> None:
-    """Add the sampled token's logprob to the running sum, and the top-k when asked for."""
+def record_logprobs(seq: Request, sample, decode: Callable[[int], str] | None) -> None:
+    """Add the sampled token's logprob to the running sum, and, when asked for, the sampled
+    and top-k tokens as Logprobs (rank, and text when there is a tokenizer)."""
     seq.cumulative_logprob += sample.logprob
-    if seq.logprobs is not None:
-        seq.logprobs.append({**sample.top_logprobs, sample.token_id: sample.logprob})
+    if seq.logprobs is None:
+        return
+    def entry(token: int, logprob: float, rank: int) -> Logprob:
+        return Logprob(logprob, rank, None if decode is None else decode(token))
+    top = {token: entry(token, lp, rank) for rank, (token, lp) in enumerate(sample.top_logprobs.items(), 1)}
+    seq.logprobs.append({**top, sample.token_id: entry(sample.token_id, sample.logprob, sample.rank)})
 
 
 def mark_first_token(seq: Request) -> float | None:

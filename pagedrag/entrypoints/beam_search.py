@@ -53,7 +53,7 @@ def _round(generate: Generate, live: list[list[BeamSearchSequence]], salts: list
     candidates: list[list[BeamSearchSequence]] = [[] for _ in live]
     for (i, beam), output in zip(flat, outputs):
         for token, logprob in output.outputs[0].logprobs[0].items():
-            candidates[i].append(BeamSearchSequence(beam.tokens + [token], beam.cum_logprob + logprob))
+            candidates[i].append(BeamSearchSequence(beam.tokens + [token], beam.cum_logprob + logprob.logprob))
     return candidates
 
 

@@ -1,6 +1,6 @@
 """Token logprobs in the two shapes OpenAI uses: completions' (parallel lists) and chat's.
 
-The engine gives, per generated token, a dict token id -> logprob holding the
+The engine gives, per generated token, a dict token id -> Logprob holding the
 sampled token and the top-k alternatives; the sampled token's logprob is looked up
 in it (None if absent), the top-k are the k best entries.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 from itertools import accumulate
 
 from pagedrag.deltas import ChoiceDelta
+from pagedrag.outputs import Logprob
 from pagedrag.server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 
@@ -31,18 +32,19 @@ class LogprobFormatter:
         offsets = accumulate((len(token) for token in tokens[:-1]), initial=delta.text_start)
         return CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[entry.get(token_id) for token_id, entry in zip(delta.token_ids, delta.logprobs)],
+            token_logprobs=[entry[token_id].logprob if token_id in entry else None
+                            for token_id, entry in zip(delta.token_ids, delta.logprobs)],
             top_logprobs=[{self.token_text(t): lp for t, lp in _best(entry, top)} for entry in delta.logprobs],
             text_offset=list(offsets) if tokens else [])
 
     def chat(self, delta: ChoiceDelta, top: int) -> ChatLogprobs:
         content = []
         for token_id, entry in zip(delta.token_ids, delta.logprobs):
-            sampled = self._entry(token_id, entry.get(token_id, float("-inf")))
+            sampled = self._entry(token_id, entry[token_id].logprob if token_id in entry else float("-inf"))
             content.append(TokenLogprob(**sampled.model_dump(),
                                         top_logprobs=[self._entry(t, lp) for t, lp in _best(entry, top)]))
         return ChatLogprobs(content=content)
 
 
-def _best(entry: dict[int, float], top: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda item: -item[1])[:top]
+def _best(entry: dict[int, Logprob], top: int) -> list[tuple[int, float]]:
+    return sorted(((token, lp.logprob) for token, lp in entry.items()), key=lambda item: -item[1])[:top]

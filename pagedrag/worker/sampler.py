@@ -219,6 +219,7 @@ class Sample:
 
     token_id: int
     logprob: float  # of token_id, from the processed logits before temperature
+    rank: int  # of token_id among the processed logits (1 = the most likely)
     top_logprobs: dict[int, float]  # the row's num_logprobs most likely tokens, best first
 
 
@@ -232,6 +233,7 @@ class SamplerOutput:
 
     token_ids: torch.Tensor  # [N] int64
     logprobs: torch.Tensor  # [N] float32
+    ranks: torch.Tensor  # [N] int64
     top_token_ids: torch.Tensor | None  # [N, k] int64
     top_logprobs: torch.Tensor | None  # [N, k] float32
     num_logprobs: list[int]  # per row
@@ -241,9 +243,9 @@ class SamplerOutput:
         return unpack_samples(self.table().cpu(), self.num_logprobs)
 
     def table(self) -> torch.Tensor:
-        """Everything in one tensor [N, 2 + 2k] float64 (exact for token ids) on the device, so
-        that one transfer brings it to the host: token, logprob, top ids (k), top logprobs (k)."""
-        columns = [self.token_ids.unsqueeze(1), self.logprobs.unsqueeze(1)]
+        """Everything in one tensor [N, 3 + 2k] float64 (exact for token ids) on the device, so
+        that one transfer brings it to the host: token, logprob, rank, top ids (k), top logprobs (k)."""
+        columns = [self.token_ids.unsqueeze(1), self.logprobs.unsqueeze(1), self.ranks.unsqueeze(1)]
         if self.top_token_ids is not None:
             columns += [self.top_token_ids, self.top_logprobs]
         return torch.cat([c.to(torch.float64) for c in columns], dim=1)
@@ -255,10 +257,10 @@ def unpack_samples(table: torch.Tensor, num_logprobs: list[int]) -> list[Sample]
 
 
 def _row_sample(row: list[float], num_logprobs: int) -> Sample:
-    """Unpack [token, logprob, top ids (k), top logprobs (k)] keeping num_logprobs of the top."""
-    k = (len(row) - 2) // 2
-    top_ids, top_logprobs = row[2:2 + num_logprobs], row[2 + k:2 + k + num_logprobs]
-    return Sample(int(row[0]), row[1], {int(t): lp for t, lp in zip(top_ids, top_logprobs)})
+    """Unpack [token, logprob, rank, top ids (k), top logprobs (k)] keeping num_logprobs of the top."""
+    k = (len(row) - 3) // 2
+    top_ids, top_logprobs = row[3:3 + num_logprobs], row[3 + k:3 + k + num_logprobs]
+    return Sample(int(row[0]), row[1], int(row[2]), {int(t): lp for t, lp in zip(top_ids, top_logprobs)})
 
 
 class Sampler:
@@ -352,9 +354,11 @@ def _sample(logits: torch.Tensor, generators: list[torch.Generator | None]) -> t
 def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Logprob of each sampled token, and the top ones when any row asked for them."""
     log_norm = logits.logsumexp(dim=-1)
-    logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - log_norm
+    chosen = logits.gather(1, token_ids.unsqueeze(1))
+    logprobs = chosen.squeeze(1) - log_norm
+    ranks = (logits > chosen).sum(dim=-1) + 1
     top_token_ids = top_logprobs = None
     if batch.max_num_logprobs > 0:
         top = logits.topk(batch.max_num_logprobs, dim=-1)
         top_token_ids, top_logprobs = top.indices, top.values - log_norm.unsqueeze(1)
-    return SamplerOutput(token_ids, logprobs, top_token_ids, top_logprobs, batch.num_logprobs)
+    return SamplerOutput(token_ids, logprobs, ranks, top_token_ids, top_logprobs, batch.num_logprobs)

@@ -198,13 +198,6 @@ class ChatMessage(StrictRequest):
             raise ValueError(f"a {self.role} message needs content: a string or a list of text parts")
         return self
 
-    def as_template_message(self) -> dict:
-        """{"role", "content"} with text parts joined by newlines (None: empty)."""
-        content = self.content or ""
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        return {"role": self.role, "content": content}
-
 
 class ChatCompletionRequest(SamplingRequest):
     PREFIX: ClassVar[str] = "chatcmpl"
@@ -252,7 +245,8 @@ class ChatCompletionRequest(SamplingRequest):
         return 1
 
     def conversation(self) -> list[dict]:
-        return [message.as_template_message() for message in self.messages]
+        """The messages as the engine takes them (pagedrag.engine.inputs joins text parts)."""
+        return [message.model_dump() for message in self.messages]
 
 
 # ---- responses ------------------------------------------------------------------

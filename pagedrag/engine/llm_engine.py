@@ -8,6 +8,7 @@ turns sampled tokens into outputs (stops, text, metrics).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -50,8 +51,9 @@ class LLMEngine:
                             max_model_len=args.max_model_len, source=args.model_source())
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
-        self._decode_token = None if self.tokenizer is None else (
-            lambda token: self.tokenizer.decode([token], skip_special_tokens=False))  # a Logprob's text
+        # A Logprob's text; bound to the tokenizer, not to self (no reference cycle: an engine
+        # dropped by its caller is freed at once, never by a garbage collection later).
+        self._decode_token = None if self.tokenizer is None else functools.partial(_decode_one, self.tokenizer)
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = set(loaded.eos_token_ids)
@@ -366,3 +368,7 @@ class LLMEngine:
             "generation_tokens": self.metrics.num_generation_tokens,
             "device": str(self.device),
         }
+
+
+def _decode_one(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)

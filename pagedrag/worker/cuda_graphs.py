@@ -17,6 +17,8 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
+
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +77,19 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every shape, largest first, so that smaller graphs reuse its memory pool."""
+        """Capture every shape, largest first, so that smaller graphs reuse its memory pool.
+
+        Python's cyclic garbage collector is off meanwhile: a collection during a capture
+        could free another engine's graphs or tensors, which CUDA forbids while a stream
+        captures (it invalidates the capture)."""
+        gc.collect()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            gc.enable()
+
+    def _capture_all(self) -> None:
         for shape in sorted(self.shapes, key=lambda s: (s.num_tokens, s.num_seqs), reverse=True):
             self._pad(shape, num_seqs=0, num_tokens=0)
             self._forward(shape)  # warm up: compile kernels, settle allocations

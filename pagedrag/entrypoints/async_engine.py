@@ -30,6 +30,7 @@ from pagedrag.engine.llm_engine import LLMEngine
 from pagedrag.engine.inputs import InputProcessor, ProcessedPrompt, PromptType
 from pagedrag.outputs import RequestOutput
 from pagedrag.engine.recovery import EngineDeadError, RequestFailedError
+from pagedrag.entrypoints.request_stream import Mailbox, RequestStream
 from pagedrag.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "ModelInfo", "RequestFailedError", "RequestStream"]
@@ -55,82 +56,9 @@ def _STOP() -> None:
     """The marker command that ends the engine thread (compared by identity, never run)."""
 
 
-class _Mailbox:
-    """The outputs of one request, from the engine thread to the caller's event loop.
-
-    Outputs are cumulative, so an unread output is superseded by a newer one (latest
-    wins: a slow reader never makes memory grow). An error is final: it supersedes
-    any unread output and nothing replaces it.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
-        self._item: RequestOutput | BaseException | None = None
-        self._ready = asyncio.Event()
-        self.closed = False  # the caller gave up on the request (read on the engine thread)
-
-    def post(self, item: RequestOutput | BaseException) -> None:
-        """Thread-safe; a mailbox whose event loop has closed drops the item."""
-        try:
-            self._loop.call_soon_threadsafe(self._put, item)
-        except RuntimeError:
-            pass
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        if not isinstance(self._item, BaseException):
-            self._item = item
-            self._ready.set()
-
-    async def get(self) -> RequestOutput:
-        """The newest output; raises the request's error if it failed."""
-        await self._ready.wait()
-        item = self._item
-        if isinstance(item, BaseException):
-            raise item
-        self._item = None
-        self._ready.clear()
-        return item
-
-
-_Queued = tuple[str, ProcessedPrompt, SamplingParams | None, _Mailbox]
+_Queued = tuple[str, ProcessedPrompt, SamplingParams | None, Mailbox]
 """A request on its way into the engine: id, prompt, parameters, mailbox."""
 
-
-class RequestStream:
-    """The outputs of one request as an async iterator; it ends after the finished output.
-
-    Closing it before then, or cancelling a task waiting on it, aborts the request
-    (even if it was never iterated).
-    """
-
-    def __init__(self, owner: "AsyncLLMEngine", request_id: str, mailbox: _Mailbox):
-        self.request_id = request_id
-        self._owner = owner
-        self._mailbox = mailbox
-        self._done = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            output = await self._mailbox.get()
-        except asyncio.CancelledError:
-            await self.aclose()
-            raise
-        except BaseException:
-            self._done = True
-            raise
-        self._done = output.finished
-        return output
-
-    async def aclose(self) -> None:
-        if not self._done:
-            self._done = True
-            self._mailbox.closed = True
-            self._owner._abort_later(self.request_id, self._mailbox)
 
 
 class AsyncLLMEngine:
@@ -154,7 +82,7 @@ class AsyncLLMEngine:
                                     engine.vocab_size, str(engine.device))
         self.metrics_registry: CollectorRegistry = engine.metrics.registry  # collecting it is thread-safe
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._mailboxes: dict[str, _Mailbox] = {}
+        self._mailboxes: dict[str, Mailbox] = {}
         self._lock = threading.Lock()  # guards _num_in_flight and _closed
         self._num_in_flight = 0
         self._closed = False
@@ -225,7 +153,7 @@ class AsyncLLMEngine:
             self._reject(mailbox, EngineDeadError("the engine has shut down"))
         else:
             prepared.add_done_callback(lambda done: self._queue_prepared(request_id, done, params, mailbox))
-        return RequestStream(self, request_id, mailbox)
+        return RequestStream(request_id, mailbox, self._abort_later)
 
     def generate_batch(self, requests: Sequence[tuple[ProcessedPrompt, SamplingParams | None]],
                        request_ids: Sequence[str | None] | None = None) -> list["RequestStream"]:
@@ -238,7 +166,7 @@ class AsyncLLMEngine:
         opened = [self._open(request_id) for request_id in ids]
         self._queue([(request_id, prompt, params, mailbox)
                      for (request_id, mailbox), (prompt, params) in zip(opened, requests, strict=True)])
-        return [RequestStream(self, request_id, mailbox) for request_id, mailbox in opened]
+        return [RequestStream(request_id, mailbox, self._abort_later) for request_id, mailbox in opened]
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError / TypeError for sampling parameters this engine cannot run."""
@@ -250,9 +178,9 @@ class AsyncLLMEngine:
         the engine thread."""
         return await asyncio.wrap_future(self._input_pool.submit(lambda: fn(self._thread_inputs())))
 
-    def _open(self, request_id: str | None) -> tuple[str, _Mailbox]:
+    def _open(self, request_id: str | None) -> tuple[str, Mailbox]:
         """A request's id and its mailbox on the caller's event loop; it counts in flight from now."""
-        mailbox = _Mailbox(asyncio.get_running_loop())
+        mailbox = Mailbox(asyncio.get_running_loop())
         with self._lock:
             self._num_in_flight += 1
         return (request_id if request_id is not None else uuid.uuid4().hex), mailbox
@@ -273,7 +201,7 @@ class AsyncLLMEngine:
         return inputs
 
     def _queue_prepared(self, request_id: str, prepared: concurrent.futures.Future,
-                        params: SamplingParams | None, mailbox: _Mailbox) -> None:
+                        params: SamplingParams | None, mailbox: Mailbox) -> None:
         """Queue a prompt processed on an input thread, or hand its error to the caller."""
         try:
             processed = prepared.result()
@@ -290,7 +218,7 @@ class AsyncLLMEngine:
             for *_, mailbox in requests:
                 self._reject(mailbox, error)
 
-    def _reject(self, mailbox: _Mailbox, error: Exception) -> None:
+    def _reject(self, mailbox: Mailbox, error: Exception) -> None:
         """The request never entered the engine: it leaves, and its caller gets ``error``."""
         self._leave()
         mailbox.post(error)
@@ -330,7 +258,7 @@ class AsyncLLMEngine:
                 raise EngineDeadError("the engine has shut down")
             self._commands.put(command)
 
-    def _abort_later(self, request_id: str, mailbox: _Mailbox) -> None:
+    def _abort_later(self, request_id: str, mailbox: Mailbox) -> None:
         """Queue an abort (after a shutdown there is nothing left to abort)."""
         try:
             self._enqueue(lambda: self._abort(request_id, mailbox))
@@ -376,7 +304,7 @@ class AsyncLLMEngine:
             self._add(*request)
 
     def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams | None,
-             mailbox: _Mailbox) -> None:
+             mailbox: Mailbox) -> None:
         if mailbox.closed:  # aborted before it was queued
             self._leave()
             return
@@ -389,7 +317,7 @@ class AsyncLLMEngine:
             return
         self._mailboxes[request_id] = mailbox
 
-    def _abort(self, request_id: str, mailbox: _Mailbox) -> None:
+    def _abort(self, request_id: str, mailbox: Mailbox) -> None:
         """Abort the request if this mailbox still owns it (it may have finished already)."""
         if self._mailboxes.get(request_id) is mailbox:
             del self._mailboxes[request_id]

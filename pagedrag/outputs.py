@@ -65,3 +65,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # with SamplingParams(prompt_logprobs=k): per prompt token (None for the first), as vLLM's
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -44,6 +44,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (0: only the token's own)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
@@ -69,7 +70,7 @@ class SamplingParams:
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             check_int(name, getattr(self, name))
-        for name in ("seed", "max_tokens", "logprobs", "truncate_prompt_tokens"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -106,6 +107,8 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1),
              f"seed must be in [{SEED_MIN}, {SEED_MAX}] for every one of the n={self.n} completions "
              f"(completion i uses seed + i), got {self.seed}"),

@@ -82,3 +82,24 @@ def test_logprobs_are_vllm_logprob_objects(llm):
         ranks = sorted(lp.rank for t, lp in entry.items())
         assert ranks[:2] == [1, 2] and entry[token].decoded_token == llm.get_tokenizer().decode([token])
     assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_prompt_logprobs_match_hf_and_survive_chunking(tmp_path):
+    """Each prompt token's logprob under the model (the first has none), as HF's
+    log_softmax over its logits gives it, also when the prompt is prefilled in chunks
+    and after the same prompt is cached."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path, "llama")
+    prompt = [3 + (5 * i) % 200 for i in range(40)]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    expected = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    llm = LLM(str(path), max_model_len=128, block_size=8, max_num_batched_tokens=16)  # 3 prefill chunks
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    for _ in range(2):  # the second run would hit the prefix cache; prompt logprobs bypass it
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for position, entry in enumerate(out.prompt_logprobs[1:], 1):
+            token = prompt[position]
+            assert entry[token].logprob == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
+            assert len([lp for lp in entry.values() if lp.rank <= 2]) >= 2

@@ -79,3 +79,11 @@ def test_fields_not_honoured_yet_are_400_not_ignored(server, field, value):
 def test_prompt_plus_max_tokens_beyond_max_model_len_is_400(server):
     response = _post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 300})
     assert response.status_code == 400 and "maximum context length" in response.json()["error"]["message"]
+
+
+def test_prompt_logprobs_in_the_response(server):
+    body = _post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 1,
+                                             "prompt_logprobs": 1}).json()
+    entries = body["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == body["usage"]["prompt_tokens"]
+    assert all({"logprob", "rank", "decoded_token"} <= set(lp) for entry in entries[1:] for lp in entry.values())

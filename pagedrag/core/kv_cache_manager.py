@@ -57,8 +57,8 @@ class KVCacheManager:
     # ---- lookup -----------------------------------------------------------
     def computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest cached run of the request's full blocks, leaving its last token to compute."""
-        if not self.enable_caching:
-            return []
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position's hidden state
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for index, block_hash in enumerate(request.block_hashes[:max_blocks]):

@@ -59,6 +59,7 @@ class Request:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # by prompt position (see worker.prompt_logprobs)
     num_inflight_tokens: int = 0  # sampled on the device, not yet read back (async scheduling)
     pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized
@@ -69,6 +70,8 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
         self.update_block_hashes()
 
     @property

@@ -24,7 +24,7 @@ from pagedrag.metrics import EngineMetrics
 from pagedrag.engine.stats_log import StatsLog
 from pagedrag.models.loader import load_model
 from pagedrag.engine.output_processor import (RequestGroup, StopPolicy, mark_first_token, new_sequence_text,
-                               record_logprobs, update_text)
+                               record_logprobs, record_prompt_logprobs, update_text)
 from pagedrag.outputs import RequestOutput
 from pagedrag.engine.recovery import EngineDeadError, Probation, is_device_failure
 from pagedrag.core.request import Request, RequestStatus
@@ -211,8 +211,10 @@ class LLMEngine:
         self._suspects |= {request.group_id for request in step.preempted}
         logits = self.runner.execute(step, previous)
         self.scheduler.update_after_step(step, self._fail_request)
+        for request, first_token, samples in logits.prompt:
+            record_prompt_logprobs(request, first_token, samples, self._decode_token)
         touched = self._complete(previous) if previous else set()
-        sampled = self.runner.sample(logits, self._sampling_plan(step))
+        sampled = self.runner.sample(logits.sampling, self._sampling_plan(step))
         if sampled is not None and not asynchronous:
             touched |= self._complete(sampled)
         else:

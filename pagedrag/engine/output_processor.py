@@ -41,7 +41,8 @@ class RequestGroup:
         first = self.sequences[0]
         completions = [self._completion(seq) for seq in self.sequences]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
-                             self.finished, max(first.num_cached_tokens, 0), first.metrics)
+                             self.finished, max(first.num_cached_tokens, 0), first.metrics,
+                             prompt_logprobs=first.prompt_logprobs)
 
     def _completion(self, seq: Request) -> CompletionOutput:
         finish = seq.status.value if seq.is_finished else None
@@ -105,12 +106,24 @@ def record_logprobs(seq: Request, sample, decode: Callable[[int], str] | None) -
     """Add the sampled token's logprob to the running sum, and, when asked for, the sampled
     and top-k tokens as Logprobs (rank, and text when there is a tokenizer)."""
     seq.cumulative_logprob += sample.logprob
-    if seq.logprobs is None:
-        return
+    if seq.logprobs is not None:
+        seq.logprobs.append(_logprob_entry(sample, decode))
+
+
+def record_prompt_logprobs(seq: Request, first_token: int, samples: list, decode: Callable[[int], str] | None
+                           ) -> None:
+    """Store the logprobs of prompt tokens first_token, first_token + 1, ... by position (a
+    prompt computed again after a preemption writes the same entries again)."""
+    for offset, sample in enumerate(samples):
+        seq.prompt_logprobs[first_token + offset] = _logprob_entry(sample, decode)
+
+
+def _logprob_entry(sample, decode: Callable[[int], str] | None) -> dict[int, Logprob]:
+    """The sampled (or given) token and the top ones as Logprobs (rank; text with a tokenizer)."""
     def entry(token: int, logprob: float, rank: int) -> Logprob:
         return Logprob(logprob, rank, None if decode is None else decode(token))
     top = {token: entry(token, lp, rank) for rank, (token, lp) in enumerate(sample.top_logprobs.items(), 1)}
-    seq.logprobs.append({**top, sample.token_id: entry(sample.token_id, sample.logprob, sample.rank)})
+    return {**top, sample.token_id: entry(sample.token_id, sample.logprob, sample.rank)}
 
 
 def mark_first_token(seq: Request) -> float | None:

@@ -27,7 +27,8 @@ async def create_chat_completion(serving: Serving, request: ChatCompletionReques
     choices = [ChatChoice(index=d.index, message=AssistantMessage(content=d.text),
                           logprobs=_logprobs(serving, request, d), finish_reason=d.finish_reason,
                           stop_reason=d.stop_reason) for d in deltas]
-    return ChatCompletionResponse(**envelope.fields, choices=choices, usage=run.usage())
+    return ChatCompletionResponse(**envelope.fields, choices=choices, usage=run.usage(),
+                                  prompt_logprobs=run.prompt_logprobs())
 
 
 async def _chunks(serving: Serving, request: ChatCompletionRequest, envelope: Envelope,

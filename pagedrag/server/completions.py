@@ -24,7 +24,7 @@ async def create_completion(serving: Serving, request: CompletionRequest,
         return sse_response(_chunks(serving, request, envelope, run), run.close)
     deltas = await unless_disconnected(http_request, run.final())
     return CompletionResponse(**envelope.fields, choices=[_choice(serving, request, d) for d in deltas],
-                              usage=run.usage())
+                              usage=run.usage(), prompt_logprobs=run.prompt_logprobs())
 
 
 async def _chunks(serving: Serving, request: CompletionRequest, envelope: Envelope,

@@ -97,6 +97,7 @@ class SamplingRequest(StrictRequest):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: top logprobs of each prompt token
 
     @model_validator(mode="before")
     @classmethod
@@ -141,7 +142,7 @@ class SamplingRequest(StrictRequest):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            truncate_prompt_tokens=self.truncate_prompt_tokens)
+            truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -285,6 +286,9 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    # vLLM's extension, whole responses of one prompt with prompt_logprobs: per prompt token
+    # (null for the first), token id -> {"logprob", "rank", "decoded_token"}
+    prompt_logprobs: list[dict[str, dict] | None] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -321,6 +325,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, dict] | None] | None = None  # as CompletionResponse's
 
 
 class DeltaMessage(BaseModel):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -88,6 +89,14 @@ class Run:
         cached = sum(o.num_cached_tokens for o in self._last.values())
         return Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    def prompt_logprobs(self) -> list[dict[str, dict] | None] | None:
+        """The first prompt's prompt logprobs in vLLM's JSON shape, when they were asked for."""
+        if self._params.prompt_logprobs is None or not self._last:
+            return None
+        entries = self._last[min(self._last)].prompt_logprobs or []
+        return [None if entry is None else {str(token): dataclasses.asdict(lp) for token, lp in entry.items()}
+                for entry in entries]
 
     @property
     def wants_logprobs(self) -> bool:

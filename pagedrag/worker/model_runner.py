@@ -29,6 +29,7 @@ from pagedrag.models.attention import AttentionMetadata
 from pagedrag.core.request import Request
 from pagedrag.worker.cuda_graphs import StepGraphs
 from pagedrag.worker.kv_cache import KVCacheTensors
+from pagedrag.worker.prompt_logprobs import PromptRows, prompt_rows, prompt_samples
 from pagedrag.worker.sampler import Sample, Sampler, SamplerOutput, SamplingBatch, unpack_samples
 from pagedrag.worker.transfer import device_to_host, host_to_device
 
@@ -39,6 +40,16 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states whose logits are needed
+    prompt_rows: list[PromptRows]  # rows whose logits give prompt logprobs (prompt_logprobs)
+
+
+@dataclass(slots=True)
+class StepLogits:
+    """What a forward pass hands back: ``sampling`` [len(step.completing), vocab], row i for
+    ``step.completing[i]``; and the prompt logprobs of requests that asked for them."""
+
+    sampling: torch.Tensor
+    prompt: list[tuple[Request, int, list[Sample]]]  # (request, first prompt token, one Sample each)
 
 
 @dataclass(slots=True)
@@ -150,7 +161,7 @@ class ModelRunner:
         decodes it: its input id is copied on the device from ``inflight``.
         """
         input_ids, positions, slots, context_lens, starts, logits_rows = [], [], [], [], [0], []
-        inflight_rows, inflight_sources = [], []
+        inflight_rows, inflight_sources, wanted_prompt_rows = [], [], []
         for item in step.scheduled:
             begin = item.request.num_computed_tokens
             end = begin + item.num_new_tokens
@@ -163,6 +174,9 @@ class ModelRunner:
             slots.extend(item.block_ids[p // self.block_size] * self.block_size + p % self.block_size
                          for p in range(begin, end))
             context_lens.append(end)
+            wanted = prompt_rows(item.request, begin, end, starts[-1])
+            if wanted is not None:
+                wanted_prompt_rows.append(wanted)
             starts.append(starts[-1] + item.num_new_tokens)
             if item.completes_sequence:
                 logits_rows.append(starts[-1] - 1)
@@ -172,7 +186,7 @@ class ModelRunner:
         meta = self._attention_metadata(step, slots_t, context_lens, starts)
         if inflight_rows:
             input_ids_t.index_copy_(0, inflight_rows_t, inflight.token_ids.index_select(0, inflight_sources_t))
-        return StepInputs(input_ids_t, positions_t, meta, logits_rows_t)
+        return StepInputs(input_ids_t, positions_t, meta, logits_rows_t, wanted_prompt_rows)
 
     def _attention_metadata(self, step: SchedulerOutput, slot_mapping: torch.Tensor,
                             context_lens: list[int], starts: list[int]) -> AttentionMetadata:
@@ -189,13 +203,13 @@ class ModelRunner:
             ops=self.ops)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, inflight: InflightTokens | None = None) -> torch.Tensor:
-        """Apply the step's block moves and launch the model; returns the logits
-        [len(step.completing), vocab], row i for ``step.completing[i]``. ``inflight``: the
-        previous step's tokens, still on the device (asynchronous scheduling)."""
+    def execute(self, step: SchedulerOutput, inflight: InflightTokens | None = None) -> StepLogits:
+        """Apply the step's block moves and launch the model; returns the step's logits (see
+        StepLogits). ``inflight``: the previous step's tokens, still on the device
+        (asynchronous scheduling)."""
         self.cache.apply(step.block_copies, step.swaps)
         if not step.scheduled:
-            return torch.empty(0, device=self.device)
+            return StepLogits(torch.empty(0, device=self.device), [])
         inputs = self.prepare(step, inflight)
         shape = None if self.graphs is None else self.graphs.shape_for(
             len(step.scheduled), step.num_tokens, inputs.meta.decode_only)
@@ -203,7 +217,15 @@ class ModelRunner:
             hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache.device_layers, inputs.meta)
-        return self.model.compute_logits(hidden[inputs.logits_indices], self.ops)
+        return StepLogits(self.model.compute_logits(hidden[inputs.logits_indices], self.ops),
+                          self._prompt_logprobs(hidden, inputs.prompt_rows))
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, wanted: list[PromptRows]) -> list:
+        if not wanted:
+            return []
+        rows = torch.tensor([r for entry in wanted for r in entry.rows], device=hidden.device)
+        samples = prompt_samples(self.model.compute_logits(hidden[rows], self.ops), wanted)
+        return [(entry.request, entry.first_token, s) for entry, s in zip(wanted, samples)]
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, plan: list[SamplingRow]) -> InflightTokens | None:

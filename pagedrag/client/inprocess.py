@@ -14,10 +14,10 @@ from pagedrag.entrypoints.async_engine import AsyncLLMEngine, RequestStream
 from pagedrag.config import EngineArgs
 from pagedrag.deltas import ChoiceCursor, ChoiceDelta
 from pagedrag.engine.inputs import ProcessedPrompt
-from pagedrag.outputs import RequestOutput
+from pagedrag.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.client.bridge import run_sync
-from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, check_single, collect
+from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, TokenLogprob
 
 _Submission = tuple[ProcessedPrompt, SamplingParams, "asyncio.Future[RequestStream]"]
 
@@ -70,17 +70,23 @@ _engines: dict[tuple, SharedEngine] = {}
 _engines_lock = threading.Lock()
 
 
+def engine_args(model: str | None, engine_kwargs: dict[str, Any]) -> EngineArgs:
+    """EngineArgs for a model and keyword arguments; a TypeError names every keyword that
+    is not an EngineArgs field, a ValueError says which value EngineArgs refuses."""
+    unknown = set(engine_kwargs) - (EngineArgs.field_names() - {"model"})
+    if unknown:
+        raise TypeError(f"unknown engine arguments {sorted(unknown)}: the model is an argument of its own, "
+                        "the rest are pagedrag.EngineArgs fields (vLLM's names)")
+    return EngineArgs(model=model, **engine_kwargs)
+
+
 def shared_engine(model: str | None, engine_kwargs: dict[str, Any]) -> SharedEngine:
     """The engine for these arguments, loaded on first use and shared afterwards.
 
     Arguments are compared after EngineArgs fills in defaults, so ``{}`` and
     ``{"block_size": 16}`` name the same engine.
     """
-    unknown = set(engine_kwargs) - (EngineArgs.field_names() - {"model"})
-    if unknown:
-        raise TypeError(f"unknown engine arguments {sorted(unknown)}: the model is an argument of its own, "
-                        "the rest are pagedrag.EngineArgs fields")
-    args = EngineArgs(model=model, **engine_kwargs)
+    args = engine_args(model, engine_kwargs)
     key = tuple(sorted(dataclasses.asdict(args).items()))
     with _engines_lock:
         if key not in _engines:
@@ -94,20 +100,25 @@ class InProcessClient(EngineClient):
     def __init__(self, shared: SharedEngine):
         self.shared = shared
 
-    async def agenerate(self, prompt: Prompt, params: SamplingParams,
-                        cache_salt: str | None = None) -> Generation:
-        return await collect(self.astream(prompt, params, cache_salt))
+    async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None) -> Generation:
+        stream = await self.shared.submit(self.shared.engine_prompt(prompt, cache_salt), params)
+        final = None
+        try:
+            async for output in stream:
+                final = output
+        finally:
+            await stream.aclose()
+        return _whole(final, params.logprobs)
 
-    async def astream(self, prompt: Prompt, params: SamplingParams,
-                      cache_salt: str | None = None) -> AsyncIterator[Generation]:
-        check_single(params)
+    async def _stream(self, prompt: Prompt, params: SamplingParams,
+                      cache_salt: str | None) -> AsyncIterator[Generation]:
         stream = await self.shared.submit(self.shared.engine_prompt(prompt, cache_salt), params)
         cursor = ChoiceCursor(0)
         try:
             async for output in stream:
-                delta = cursor.advance(output.outputs[0], wants_logprobs=False)
+                delta = cursor.advance(output.outputs[0], wants_logprobs=params.logprobs is not None)
                 if delta is not None:
-                    yield _piece(delta, output)
+                    yield _piece(delta, output, params.logprobs)
         finally:
             await stream.aclose()
 
@@ -123,10 +134,40 @@ class InProcessClient(EngineClient):
         run_sync(self.shared.engine.reset_prefix_cache())
 
 
-def _piece(delta: ChoiceDelta, output: RequestOutput) -> Generation:
-    """A stream's piece: new text; the last piece also carries the finish reason and the
-    request's token counts."""
+def _piece(delta: ChoiceDelta, output: RequestOutput, top: int | None) -> Generation:
+    """A stream's piece: new text (and its tokens' logprobs, when asked for); the last piece
+    also carries the finish reason and the request's token counts."""
+    logprobs = None if top is None else _logprobs(delta.token_ids, delta.logprobs, top)
     if delta.finish_reason is None:
-        return Generation(delta.text)
+        return Generation(delta.text, logprobs=logprobs)
     return Generation(delta.text, delta.finish_reason, len(output.prompt_token_ids),
-                      len(output.outputs[0].token_ids), output.num_cached_tokens)
+                      len(output.outputs[0].token_ids), output.num_cached_tokens, logprobs)
+
+
+def _whole(output: RequestOutput, top: int | None) -> Generation:
+    """A finished request: its first completion with the request's counts, the others in ``more``."""
+    completions = sorted(output.outputs, key=lambda completion: completion.index)
+    first, *more = (_choice(completion, top) for completion in completions)
+    return dataclasses.replace(first, prompt_tokens=len(output.prompt_token_ids),
+                               completion_tokens=sum(len(c.token_ids) for c in completions),
+                               cached_tokens=output.num_cached_tokens, more=tuple(more))
+
+
+def _choice(completion: CompletionOutput, top: int | None) -> Generation:
+    """One finished completion's text, finish reason and logprobs (no counts)."""
+    logprobs = None if top is None else _logprobs(completion.token_ids, completion.logprobs, top)
+    return Generation(completion.text, completion.finish_reason, logprobs=logprobs)
+
+
+def _logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None,
+              top: int) -> tuple[TokenLogprob, ...]:
+    """The engine's per-token entries (the sampled token and the top ones, decoded on the
+    engine thread) as TokenLogprobs with the ``top`` best alternatives."""
+    return tuple(TokenLogprob(_token_text(entry[token_id]), entry[token_id].logprob,
+                              tuple((_token_text(lp), lp.logprob)
+                                    for lp in sorted(entry.values(), key=lambda lp: -lp.logprob)[:top]))
+                 for token_id, entry in zip(token_ids, entries or ()))
+
+
+def _token_text(entry: Logprob) -> str:
+    return entry.decoded_token or ""

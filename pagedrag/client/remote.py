@@ -6,7 +6,8 @@ server's 503 when its --max-queue is full included), pools connections, and type
 errors; here they become what the in-process client raises: ValueError for bad input
 (400), RemoteError for anything else. vLLM's extras (cache_salt, top_k, ...) travel in
 ``extra_body``, each only where it differs from SamplingParams' default (the server's
-defaults mean the same); the engine's counters come from the server's JSON ``/v1/stats``.
+defaults mean the same); ``n`` and ``logprobs`` are named as each route names them; the
+engine's counters come from the server's JSON ``/v1/stats``.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from typing import Any
 import openai
 
 from pagedrag.sampling_params import SamplingParams
-from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, check_single
+from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, TokenLogprob
 
 # SamplingParams fields that the SDK's create() names, always sent; the others are extras
-_OPENAI_FIELDS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "stop", "max_tokens")
-_NOT_SENT = ("n", "logprobs")  # one choice per request (check_single); a Generation holds no logprobs
+_OPENAI_FIELDS = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "stop",
+                  "max_tokens")
+_ROUTE_FIELDS = ("logprobs",)  # named differently by the two routes (see _logprobs_body)
 _DEFAULTS = dataclasses.asdict(SamplingParams())
 # The SDK wants a key; a server without --api-key ignores it (vLLM's documented placeholder).
 # Never left to the SDK: it would send the OPENAI_API_KEY of the environment to this server.
@@ -50,27 +52,27 @@ class RemoteClient(EngineClient):
     """
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 timeout: float = 600.0, max_retries: int = openai.DEFAULT_MAX_RETRIES):
+                 timeout: float = 600.0, max_retries: int = openai.DEFAULT_MAX_RETRIES,
+                 headers: dict[str, str] | None = None):
         self.base_url = base_url.rstrip("/").removesuffix("/v1") + "/v1"
         self.model = model
         self._settings = {"base_url": self.base_url, "api_key": api_key or NO_API_KEY,
-                          "timeout": timeout, "max_retries": max_retries}
+                          "timeout": timeout, "max_retries": max_retries, "default_headers": headers}
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, openai.AsyncOpenAI] = (
             weakref.WeakKeyDictionary())
         self._clients_lock = threading.Lock()
         self._info: EngineInfo | None = None  # what /v1/models said; it does not change
 
-    async def agenerate(self, prompt: Prompt, params: SamplingParams,
-                        cache_salt: str | None = None) -> Generation:
+    async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None) -> Generation:
         with _translated_errors():
             response = await self._create(prompt, params, cache_salt, stream=False)
-        choice = response.choices[0]
-        text = choice.text if isinstance(prompt, str) else choice.message.content or ""
-        return _with_usage(Generation(text, choice.finish_reason), response.usage)
+        first, *more = (_choice(choice, isinstance(prompt, str))
+                        for choice in sorted(response.choices, key=lambda choice: choice.index))
+        return _with_usage(dataclasses.replace(first, more=tuple(more)), response.usage)
 
-    async def astream(self, prompt: Prompt, params: SamplingParams,
-                      cache_salt: str | None = None) -> AsyncIterator[Generation]:
-        finish_reason, usage = None, None
+    async def _stream(self, prompt: Prompt, params: SamplingParams,
+                      cache_salt: str | None) -> AsyncIterator[Generation]:
+        finish_reason, usage, completion = None, None, isinstance(prompt, str)
         with _translated_errors():
             stream = await self._create(prompt, params, cache_salt, stream=True)
             try:
@@ -78,12 +80,14 @@ class RemoteClient(EngineClient):
                     usage = chunk.usage or usage
                     for choice in chunk.choices:
                         finish_reason = choice.finish_reason or finish_reason
-                        text = choice.text if isinstance(prompt, str) else choice.delta.content
-                        if text:
-                            yield Generation(text)
+                        text = choice.text if completion else choice.delta.content
+                        logprobs = _logprobs(choice.logprobs, completion, params.logprobs)
+                        if text or logprobs:
+                            yield Generation(text or "", logprobs=logprobs)
             finally:
                 await stream.close()  # closing early drops the connection: the server aborts
-        yield _with_usage(Generation("", finish_reason), usage)
+        empty = None if params.logprobs is None else ()
+        yield _with_usage(Generation("", finish_reason, logprobs=empty), usage)
 
     async def astats(self) -> dict[str, Any]:
         with _translated_errors():
@@ -99,9 +103,9 @@ class RemoteClient(EngineClient):
 
     async def _create(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None, stream: bool):
         """A completion (text) or chat (messages) request through the SDK."""
-        check_single(params)
         model = self.model if self.model is not None else (await self.ainfo()).model_name
-        options = {"model": model, "stream": stream, **_sampling_body(params, cache_salt)}
+        options = {"model": model, "stream": stream, **_sampling_body(params, cache_salt),
+                   **_logprobs_body(params.logprobs, completion=isinstance(prompt, str))}
         if stream:
             options["stream_options"] = {"include_usage": True}
         client = self._openai()
@@ -124,10 +128,47 @@ def _sampling_body(params: SamplingParams, cache_salt: str | None) -> dict[str, 
     from their defaults (and the salt, if any)."""
     fields = dataclasses.asdict(params)
     extras = {name: value for name, value in fields.items()
-              if name not in _OPENAI_FIELDS and name not in _NOT_SENT and value != _DEFAULTS[name]}
+              if name not in _OPENAI_FIELDS and name not in _ROUTE_FIELDS and value != _DEFAULTS[name]}
     if cache_salt is not None:
         extras["cache_salt"] = cache_salt
     return {**{name: fields[name] for name in _OPENAI_FIELDS}, "extra_body": extras}
+
+
+def _logprobs_body(top: int | None, completion: bool) -> dict[str, Any]:
+    """SamplingParams.logprobs as each route asks for it: /v1/completions ``logprobs=k``,
+    /v1/chat/completions ``logprobs=true, top_logprobs=k``."""
+    if top is None:
+        return {}
+    return {"logprobs": top} if completion else {"logprobs": True, "top_logprobs": top}
+
+
+def _choice(choice, completion: bool) -> Generation:
+    """One choice of a whole response (prompt figures come from the usage)."""
+    text = choice.text if completion else choice.message.content or ""
+    return Generation(text, choice.finish_reason, logprobs=_logprobs(choice.logprobs, completion, None))
+
+
+def _logprobs(logprobs, completion: bool, asked: int | None) -> tuple[TokenLogprob, ...] | None:
+    """A choice's logprobs (either route's shape) as TokenLogprobs; without any: None, or
+    ``()`` when ``asked`` says they were asked for (a stream piece without tokens)."""
+    if logprobs is None:
+        return None if asked is None else ()
+    return _completion_logprobs(logprobs) if completion else _chat_logprobs(logprobs)
+
+
+def _completion_logprobs(logprobs) -> tuple[TokenLogprob, ...]:
+    """/v1/completions' parallel lists: tokens, token_logprobs, top_logprobs (dicts)."""
+    tokens = logprobs.tokens or []
+    tops = logprobs.top_logprobs or [{}] * len(tokens)
+    return tuple(TokenLogprob(token, float("-inf") if logprob is None else logprob,
+                              tuple(sorted((top or {}).items(), key=lambda item: -item[1])))
+                 for token, logprob, top in zip(tokens, logprobs.token_logprobs or [], tops))
+
+
+def _chat_logprobs(logprobs) -> tuple[TokenLogprob, ...]:
+    """/v1/chat/completions' entries: token, logprob, top_logprobs [{token, logprob}]."""
+    return tuple(TokenLogprob(entry.token, entry.logprob, tuple((top.token, top.logprob) for top in entry.top_logprobs))
+                 for entry in logprobs.content or [])
 
 
 def _with_usage(generation: Generation, usage) -> Generation:

@@ -1,7 +1,7 @@
 """What the integrations call: the EngineClient interface and its result types.
 
-A back end (in process, remote) implements four async primitives; the completion, chat,
-batch and synchronous forms are derived here once, so that both back ends behave alike.
+A back end (in process, remote) implements four async primitives; the checked, completion,
+chat, batch and synchronous forms are derived here once, so that both back ends behave alike.
 A text prompt is a completion, a list of ``{"role", "content"}`` messages a chat, checked
 by ``pagedrag.engine.inputs.check_conversation`` (the one rule, the engine's own).
 """
@@ -24,7 +24,16 @@ DEFAULT_MODEL_NAME = EMBEDDED_NAME
 Messages = list[dict[str, str]]
 Prompt = str | Messages
 """A completion prompt (text) or a chat conversation (messages)."""
-_SAMPLING_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token: its text, its log probability, and the most likely tokens at its
+    position (text, logprob), best first, as many as were asked for."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,12 @@ class Generation:
     A stream yields pieces whose ``text`` is new text and whose ``finish_reason`` is None,
     then a last piece (its text possibly empty) with the finish reason and the request's
     token counts; the counts of earlier pieces are 0, so summing pieces gives the totals.
+    ``logprobs`` (when asked for) cover exactly the tokens of ``text``.
+
+    A whole generation of n > 1 completions is the first one, with the other n - 1 in
+    ``more`` (each with its own text, finish reason and logprobs). The token counts are the
+    request's, as OpenAI's usage counts them (completion_tokens over all n), and are on the
+    first only: those of ``more`` are 0.
     """
 
     text: str
@@ -41,6 +56,21 @@ class Generation:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    more: tuple["Generation", ...] = ()
+
+    @classmethod
+    def joined(cls, pieces: Sequence["Generation"]) -> "Generation":
+        """The whole Generation of a stream's pieces: texts and logprobs joined, the last
+        piece's finish reason and counts."""
+        last = pieces[-1] if pieces else cls("")
+        logprobs = None if last.logprobs is None else tuple(entry for p in pieces for entry in p.logprobs or ())
+        return dataclasses.replace(last, text="".join(piece.text for piece in pieces), logprobs=logprobs)
+
+    @property
+    def choices(self) -> tuple["Generation", ...]:
+        """Every completion of the request, the first one included, in order."""
+        return (dataclasses.replace(self, more=()), *self.more)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -53,6 +83,13 @@ class Generation:
                 "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
                 "cache_hit_rate": self.cache_hit_rate}
 
+    def usage(self) -> dict[str, Any]:
+        """The token counts as OpenAI's ``usage`` object spells them (what LlamaIndex's
+        TokenCountingHandler reads), cached prompt tokens in prompt_tokens_details."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -62,42 +99,33 @@ class EngineInfo:
     max_model_len: int
 
 
-def sampling_params(settings: dict[str, Any], overrides: dict[str, Any]) -> SamplingParams:
-    """An adapter's sampling settings, updated by a call's keyword arguments. Keywords that
-    are not SamplingParams fields are left out: frameworks pass other things along."""
-    chosen = {**settings, **{key: value for key, value in overrides.items() if key in _SAMPLING_FIELDS}}
-    return SamplingParams(**chosen)
-
-
-def check_single(params: SamplingParams) -> None:
-    """A Generation is one completion: the integrations never ask for n > 1."""
+def check_single(params: SamplingParams, call: str = "complete() / chat()") -> None:
+    """``complete``, ``chat`` and streams give one completion per prompt; ``generate`` and
+    ``batch`` give all n."""
     if params.n != 1:
-        raise ValueError(f"the integrations return one completion per prompt; got n={params.n}")
-
-
-async def collect(pieces: AsyncIterator[Generation]) -> Generation:
-    """The whole Generation of a stream: its texts joined, the last piece's figures."""
-    texts, last = [], Generation("")
-    async for piece in pieces:
-        texts.append(piece.text)
-        last = piece
-    return dataclasses.replace(last, text="".join(texts))
+        raise ValueError(f"{call} returns one completion per prompt: n must be 1, got n={params.n} "
+                         "(generate() and batch() return all n)")
 
 
 class EngineClient(ABC):
-    """What the integrations call. Back ends implement the async primitives; the
-    completion, chat, batch and synchronous forms are derived here."""
+    """What the integrations call. Back ends implement ``_generate``, ``_stream``,
+    ``astats`` and ``ainfo``; the checked, completion, chat, batch and synchronous forms
+    are derived here.
+
+    Invariants: every prompt is checked (a text, or a conversation ``check_conversation``
+    accepts) before anything is submitted; ``generate`` and ``batch`` return all n
+    completions of a prompt (``Generation.more``), ``complete``, ``chat`` and the streams
+    exactly one (n != 1 is a ValueError, never a quietly dropped choice).
+    """
 
     @abstractmethod
-    async def agenerate(self, prompt: Prompt, params: SamplingParams,
-                        cache_salt: str | None = None) -> Generation:
-        """The whole completion of a text prompt or a conversation."""
+    async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None) -> Generation:
+        """All n completions of a checked text prompt or conversation."""
 
     @abstractmethod
-    def astream(self, prompt: Prompt, params: SamplingParams,
-                cache_salt: str | None = None) -> AsyncIterator[Generation]:
-        """The completion as it is generated (see ``Generation`` for the pieces).
-        Closing the iterator early aborts the request."""
+    def _stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None) -> AsyncIterator[Generation]:
+        """The one completion (n == 1) of a checked prompt as it is generated (see
+        ``Generation`` for the pieces). Closing the iterator early aborts the request."""
 
     @abstractmethod
     async def astats(self) -> dict[str, Any]:
@@ -107,12 +135,26 @@ class EngineClient(ABC):
     async def ainfo(self) -> EngineInfo:
         """The served model's name and context window."""
 
+    # ---- any prompt, async ---------------------------------------------------------------
+    async def agenerate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None) -> Generation:
+        """The whole generation of a text prompt or a conversation: all n completions."""
+        return await self._generate(_checked(prompt), params, cache_salt)
+
+    def astream(self, prompt: Prompt, params: SamplingParams,
+                cache_salt: str | None = None) -> AsyncIterator[Generation]:
+        """The one completion of a text prompt or a conversation, as it is generated."""
+        checked = _checked(prompt)
+        check_single(params, "a stream")
+        return self._stream(checked, params, cache_salt)
+
     # ---- completion and chat, async -------------------------------------------------
     async def acomplete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None) -> Generation:
-        return await self.agenerate(_text(prompt), params, cache_salt)
+        check_single(params)
+        return await self._generate(_text(prompt), params, cache_salt)
 
     async def achat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None) -> Generation:
-        return await self.agenerate(_conversation(messages), params, cache_salt)
+        check_single(params)
+        return await self._generate(_conversation(messages), params, cache_salt)
 
     def astream_complete(self, prompt: str, params: SamplingParams,
                          cache_salt: str | None = None) -> AsyncIterator[Generation]:
@@ -124,10 +166,10 @@ class EngineClient(ABC):
 
     async def abatch(self, prompts: Sequence[Prompt], params: SamplingParams,
                      cache_salt: str | None = None) -> list[Generation]:
-        """All prompts submitted at once (one engine batch), results in their order. Every
-        prompt is checked before any is submitted."""
-        checked = [prompt if isinstance(prompt, str) else _conversation(prompt) for prompt in prompts]
-        tasks = [asyncio.ensure_future(self.agenerate(prompt, params, cache_salt)) for prompt in checked]
+        """All prompts submitted at once (one engine batch), results (all n completions
+        each) in their order. Every prompt is checked before any is submitted."""
+        checked = [_checked(prompt) for prompt in prompts]
+        tasks = [asyncio.ensure_future(self._generate(prompt, params, cache_salt)) for prompt in checked]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -136,6 +178,12 @@ class EngineClient(ABC):
             raise
 
     # ---- synchronous forms ------------------------------------------------------------
+    def generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None) -> Generation:
+        return run_sync(self.agenerate(prompt, params, cache_salt))
+
+    def stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None) -> Iterator[Generation]:
+        return iterate_sync(self.astream(prompt, params, cache_salt))
+
     def complete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None) -> Generation:
         return run_sync(self.acomplete(prompt, params, cache_salt))
 
@@ -159,6 +207,11 @@ class EngineClient(ABC):
 
     def info(self) -> EngineInfo:
         return run_sync(self.ainfo())
+
+
+def _checked(prompt: Any) -> Prompt:
+    """A text as it is, a conversation once ``check_conversation`` accepts it."""
+    return prompt if isinstance(prompt, str) else _conversation(prompt)
 
 
 def _text(prompt: Any) -> str:

@@ -4,22 +4,33 @@ engine is, how to sample, and the calls built on those (client, stats, cache pro
 Each integration's model class inherits ``EngineSettings`` next to its framework's base
 class and keeps only its framework's conventions: what the model's name and the extra
 sampling fields are called (``model_id`` and ``extra_sampling`` map them here), and
-where a default comes from (LangChain reads the environment).
+where a default comes from (LangChain reads the environment). The other names that
+those frameworks' classes give these settings (``max_new_tokens``, ``vllm_kwargs``,
+``max_completion_tokens``, ``num_ctx``, ...) are ``pagedrag.rag.aliases``'s, accepted by
+every class that inherits this one.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
-from pagedrag.client import EngineClient, Prompt, connect, sampling_params
+from pagedrag.client import EngineClient, Prompt, check_connection, connect, engine_args
+from pagedrag.rag import aliases
+from pagedrag.rag.prefix_probe import cached_prefix_len
 from pagedrag.sampling_params import SamplingParams
 
-from pagedrag.rag.prefix_probe import cached_prefix_len
-
+logger = logging.getLogger("pagedrag")
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_RETRIES = 2
+# Settings read into every request; None leaves a field to SamplingParams' default.
+# (max_tokens is always sent: None there means "until EOS", not SamplingParams' 16.)
+SERVER_ONLY = ("timeout", "max_retries")  # a connection's: an in-process engine has none
+SAMPLING_SETTINGS = ("temperature", "max_tokens", "top_p", "top_k", "n", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "stop", "seed")
 
 
 class EngineSettings(BaseModel):
@@ -28,26 +39,60 @@ class EngineSettings(BaseModel):
     Invariants: the client connects on first use of ``client`` and is the same object
     afterwards; instances whose model and engine arguments match (after EngineArgs fills
     in defaults) share one in-process engine and its prefix cache, which ``cache_salt``
-    divides between tenants.
+    divides between tenants. Every argument is kept or refused at construction: the
+    sampling settings build a SamplingParams, the engine arguments an EngineArgs (for an
+    in-process engine), so a value either would refuse fails here, not at the first call.
     """
 
     model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
 
     base_url: str | None = Field(default=None, description="URL of a `pagedrag serve`; None: in process.")
     api_key: SecretStr | None = Field(default=None, description="API key of the server, if it asks for one.")
+    default_headers: dict[str, str] | None = Field(default=None,
+                                                   description="HTTP headers sent to the server with every request.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="pagedrag.EngineArgs fields.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0: greedy decoding.")
+    temperature: float = Field(default=0.0, description="0: greedy decoding.")
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS,
                                    description="Most tokens to generate; None: until EOS.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float | None = Field(default=None, description="Nucleus sampling; None: 1.0 (off).")
+    top_k: int | None = Field(default=None, description="Top-k sampling; None, 0 or -1: off.")
+    n: int = Field(default=1, description="Completions per prompt.")
+    presence_penalty: float | None = Field(default=None, description="In [-2, 2]; None: 0.")
+    frequency_penalty: float | None = Field(default=None, description="In [-2, 2]; None: 0.")
+    repetition_penalty: float | None = Field(default=None, description="In (0, 2]; None: 1 (off).")
     stop: list[str] | None = Field(default=None, description="Stop strings.")
     seed: int | None = None
     cache_salt: str | None = Field(default=None, description="Keeps this tenant's cached prefixes apart.")
     timeout: float | None = Field(default=None,
                                   description=f"Seconds a server may take; None: {DEFAULT_TIMEOUT_S:.0f}.")
-    max_retries: int = Field(default=2, ge=0, description="Retries of failed connections to a server.")
+    max_retries: int | None = Field(default=DEFAULT_MAX_RETRIES, ge=0,
+                                    description="Retries of failed connections to a server.")
 
     _client: EngineClient | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _canonical_names(cls, values: Any) -> Any:
+        """Other frameworks' names for these settings, renamed (pagedrag.rag.aliases)."""
+        return aliases.canonical_settings(values) if isinstance(values, dict) else values
+
+    @model_validator(mode="after")
+    def _check_settings(self) -> "EngineSettings":
+        """Refuse now what a call would refuse later (see the class's invariants)."""
+        check_connection(self.base_url, self.engine_kwargs, self.default_headers)
+        if self.base_url is None:
+            engine_args(self.model_id, self.engine_kwargs)
+            self._warn_server_only()
+        self.sampling({})
+        return self
+
+    def _warn_server_only(self) -> None:
+        """A logged warning (the ecosystem's way with a client setting a back end does not
+        use) for connection settings given to an in-process engine."""
+        given = [name for name in SERVER_ONLY if name in self.model_fields_set]
+        if given:
+            logger.warning("%s: %s not used: connection settings of a server (base_url), and the engine runs in "
+                           "process", type(self).__name__, " and ".join(given))
 
     @property
     def model_id(self) -> str | None:
@@ -56,7 +101,8 @@ class EngineSettings(BaseModel):
 
     @property
     def extra_sampling(self) -> dict[str, Any]:
-        """Other pagedrag.SamplingParams fields the instance sets."""
+        """Other pagedrag.SamplingParams fields the instance sets (under canonical names;
+        ``extra_fields`` checks a user's dict of them)."""
         raise NotImplementedError
 
     @property
@@ -65,8 +111,10 @@ class EngineSettings(BaseModel):
         if self._client is None:
             api_key = self.api_key.get_secret_value() if self.api_key else None
             timeout = DEFAULT_TIMEOUT_S if self.timeout is None else self.timeout
+            retries = DEFAULT_MAX_RETRIES if self.max_retries is None else self.max_retries
             self._client = connect(self.model_id, base_url=self.base_url, api_key=api_key,
-                                   engine_kwargs=self.engine_kwargs, timeout=timeout, max_retries=self.max_retries)
+                                   engine_kwargs=self.engine_kwargs, timeout=timeout, max_retries=retries,
+                                   headers=self.default_headers)
         return self._client
 
     def stats(self) -> dict[str, Any]:
@@ -75,10 +123,26 @@ class EngineSettings(BaseModel):
 
     def sampling(self, overrides: dict[str, Any], stop: list[str] | None = None) -> SamplingParams:
         """The instance's sampling settings, updated by a call's ``stop`` (when given) and
-        its SamplingParams keywords."""
-        settings = {"temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
-                    "stop": self.stop if stop is None else stop, "seed": self.seed, **self.extra_sampling}
-        return sampling_params(settings, overrides)
+        its keywords: SamplingParams fields or their aliases (anything else: TypeError)."""
+        settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
+        settings = {name: value for name, value in settings.items() if value is not None or name == "max_tokens"}
+        call = aliases.canonical_sampling(overrides, "call keywords")
+        if stop is not None:
+            call["stop"] = stop
+        return aliases.sampling_params({**settings, **self.extra_sampling, **call})
+
+    def extra_fields(self, extras: dict[str, Any], where: str) -> dict[str, Any]:
+        """A user's dict of other SamplingParams fields (additional_kwargs, model_kwargs,
+        extra_body), under canonical names; they win over the settings' defaults (vLLM's
+        ``extra_body={"top_k": 5}`` is top_k=5). A TypeError names keys that are not
+        SamplingParams fields, a ValueError those that contradict an argument given too."""
+        fields = aliases.canonical_sampling(extras, f"{where} keys")
+        clashes = sorted(name for name, value in fields.items()
+                         if name in self.model_fields_set and getattr(self, name) != value)
+        if clashes:
+            raise ValueError(f"{where} sets {clashes}, also given as arguments of their own (to other values); "
+                             "give each once")
+        return fields
 
     def cached_prefix_len(self, prompt: Prompt) -> int:
         """Leading tokens of ``prompt`` (a text, or chat messages) that the engine's prefix

@@ -9,6 +9,7 @@ vLLM's api_server sends it. It runs through the same checks as /v1/completions.
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
@@ -24,7 +25,10 @@ router = APIRouter()
 
 
 class GenerateRequest(StrictRequest):
-    """The legacy body: a text prompt; every other field is a sampling field of /v1/completions."""
+    """The legacy body: a text prompt; every other field is a sampling field of /v1/completions
+    (checked there, so unknown ones are not logged here)."""
+
+    WARN_UNKNOWN: ClassVar[bool] = False
 
     prompt: str
     stream: bool = False

@@ -46,6 +46,7 @@ class StrictRequest(BaseModel):
     """A request body: strict JSON types, UTF-8 strings, unknown fields logged and ignored."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    WARN_UNKNOWN: ClassVar[bool] = True  # False where extra fields are read on purpose
 
     @model_validator(mode="before")
     @classmethod
@@ -55,7 +56,7 @@ class StrictRequest(BaseModel):
 
     @model_validator(mode="after")
     def _warn_unknown(self) -> "StrictRequest":
-        if self.model_extra:
+        if self.model_extra and self.WARN_UNKNOWN:
             logger.warning("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra)[:20])
         return self
 
@@ -160,6 +161,7 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
+    best_of: int | None = None  # vLLM's; only 1 (or null) is accepted, see UNSUPPORTED
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def max_new_tokens(self) -> int | None:

@@ -7,26 +7,77 @@ from typing import Any
 
 from langchain_core.language_models import LangSmithParams
 from langchain_core.utils import from_env, secret_from_env
-from pydantic import Field, SecretStr
+from langchain_core.utils.utils import _build_model_kwargs, get_pydantic_field_names
+from pydantic import Field, SecretStr, model_validator
 
 from pagedrag.client import DEFAULT_MODEL_NAME, Generation
-from pagedrag.rag.integration_settings import EngineSettings
+from pagedrag.rag import aliases
+from pagedrag.rag.integration_settings import SAMPLING_SETTINGS, EngineSettings
+from pagedrag.sampling_params import SamplingParams
+
+API_KEY_ENV, BASE_URL_ENV = "PAGEDRAG_API_KEY", "PAGEDRAG_BASE_URL"
+# Call keywords LangChain itself decides on (whether to stream, usage in a stream): not sampling
+_CALL_ONLY = ("stream", "stream_usage")
 
 
 class LangChainSettings(EngineSettings):
     """The shared engine settings (``pagedrag.rag.integration_settings``) as LangChain
-    spells them: ``model_name`` (alias ``model``), ``model_kwargs`` for other
-    SamplingParams fields, and the server's URL and key read from the environment."""
+    spells them, with ChatOpenAI's names: ``model`` (field ``model_name``), ``model_kwargs``
+    and ``extra_body`` for other SamplingParams fields, ``logprobs`` / ``top_logprobs``,
+    ``streaming``, ``stream_usage``; the server's URL and key read from the environment.
+    ChatOllama's ``num_predict``, ``num_ctx`` and ``repeat_penalty`` are aliases too.
+
+    Invariants: as ChatOpenAI does, an unknown constructor argument moves into
+    ``model_kwargs`` with a warning; every ``model_kwargs`` / ``extra_body`` key must be a
+    SamplingParams field (else the constructor raises), so nothing is dropped.
+    """
 
     model_name: str | None = Field(default=None, alias="model",
                                    description="Model folder or name; None: the embedded SmolLM2 "
                                                "(with base_url: the served model name).")
-    base_url: str | None = Field(default_factory=from_env("PAGEDRAG_BASE_URL", default=None),
-                                 description="URL of a `pagedrag serve` (env PAGEDRAG_BASE_URL); "
-                                             "None: in process.")
-    api_key: SecretStr | None = Field(default_factory=secret_from_env("PAGEDRAG_API_KEY", default=None),
-                                      description="API key of the server (env PAGEDRAG_API_KEY).")
+    base_url: str | None = Field(default_factory=from_env(BASE_URL_ENV, default=None),
+                                 description=f"URL of a `pagedrag serve` (env {BASE_URL_ENV}); None: in process.")
+    api_key: SecretStr | None = Field(default_factory=secret_from_env(API_KEY_ENV, default=None),
+                                      description=f"API key of the server (env {API_KEY_ENV}).")
     model_kwargs: dict[str, Any] = Field(default_factory=dict, description="Other pagedrag.SamplingParams fields.")
+    extra_body: dict[str, Any] | None = Field(default=None,
+                                              description="Other pagedrag.SamplingParams fields (ChatOpenAI's "
+                                                          "name for vLLM's extras).")
+    logprobs: bool | None = Field(default=None, description="Return the generated tokens' log probabilities.")
+    top_logprobs: int | None = Field(default=None, description="Alternatives per token (needs logprobs=True).")
+    streaming: bool = Field(default=False, description="Generate through the stream (callbacks see each token).")
+    stream_usage: bool = Field(default=True, description="The last streamed chunk carries the token usage.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _route_unknown_arguments(cls, values: Any) -> Any:
+        """Aliases renamed first (pagedrag.rag.aliases), then ChatOpenAI's rule: unknown
+        arguments go into model_kwargs, with a warning."""
+        if not isinstance(values, dict):
+            return values
+        values = aliases.canonical_settings(values)
+        values["model_kwargs"] = dict(values.get("model_kwargs") or {})  # moved from: not the caller's dict
+        return _build_model_kwargs(values, get_pydantic_field_names(cls))
+
+    @model_validator(mode="after")
+    def _one_completion_when_streaming(self) -> "LangChainSettings":
+        if self.streaming and self.n != 1:
+            raise ValueError(f"n must be 1 when streaming, got n={self.n}")
+        return self
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        return True
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": API_KEY_ENV}
+
+    @property
+    def lc_attributes(self) -> dict[str, Any]:
+        """base_url even when None: a loaded in-process model must not turn remote because
+        the loading process has PAGEDRAG_BASE_URL set."""
+        return {"base_url": self.base_url}
 
     @property
     def model_id(self) -> str | None:
@@ -34,7 +85,13 @@ class LangChainSettings(EngineSettings):
 
     @property
     def extra_sampling(self) -> dict[str, Any]:
-        return self.model_kwargs
+        kwargs = self.extra_fields(self.model_kwargs, "model_kwargs")
+        body = self.extra_fields(dict(self.extra_body or {}), "extra_body")
+        both = sorted(set(kwargs) & set(body))
+        if both:
+            raise ValueError(f"{both} set in both model_kwargs and extra_body; give each once")
+        logprobs = aliases.openai_logprobs(self.logprobs, self.top_logprobs)
+        return {**kwargs, **body, **({"logprobs": logprobs} if logprobs is not None else {})}
 
     @property
     def model_label(self) -> str:
@@ -43,10 +100,24 @@ class LangChainSettings(EngineSettings):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_label, "base_url": self.base_url,
-                "engine_kwargs": self.engine_kwargs, "temperature": self.temperature,
-                "max_tokens": self.max_tokens, "top_p": self.top_p, "seed": self.seed,
-                "cache_salt": self.cache_salt, **self.model_kwargs}
+        return {"model_name": self.model_label, "base_url": self.base_url, "engine_kwargs": self.engine_kwargs,
+                "cache_salt": self.cache_salt, **{name: getattr(self, name) for name in SAMPLING_SETTINGS},
+                **self.extra_sampling}
+
+    def call_sampling(self, kwargs: dict[str, Any], stop: list[str] | None) -> SamplingParams:
+        """The sampling of one call: ChatOpenAI's per-call keywords (``logprobs`` /
+        ``top_logprobs`` included) over the instance's settings; ``stream`` and
+        ``stream_usage`` are LangChain's own and take no part."""
+        call = {name: value for name, value in kwargs.items() if name not in _CALL_ONLY}
+        if "logprobs" in call or "top_logprobs" in call:
+            call["logprobs"] = aliases.openai_logprobs(call.pop("logprobs", self.logprobs),
+                                                       call.pop("top_logprobs", self.top_logprobs))
+        return self.sampling(call, stop)
+
+    def wants_stream_usage(self, kwargs: dict[str, Any]) -> bool:
+        """A call's ``stream_usage`` keyword, else the instance's."""
+        value = kwargs.get("stream_usage")
+        return self.stream_usage if value is None else bool(value)
 
     def _with_model_name(self, params: LangSmithParams, overrides: dict[str, Any]) -> LangSmithParams:
         """Tracing parameters naming the model (a per-call ``model`` wins)."""
@@ -55,6 +126,20 @@ class LangChainSettings(EngineSettings):
         return params
 
 
-def generation_info(generation: Generation, model_label: str) -> dict[str, Any]:
-    """What a finished generation reports: finish reason, token and cache figures, model."""
-    return {**generation.cache_figures(), "model_name": model_label}
+def generation_info(choice: Generation, whole: Generation, model_label: str) -> dict[str, Any]:
+    """What a finished completion reports: its finish reason, the request's token and cache
+    figures, the model, and (when asked for) its logprobs as ChatOpenAI reports them."""
+    info = {**whole.cache_figures(), "finish_reason": choice.finish_reason, "model_name": model_label}
+    if choice.logprobs is not None:
+        info["logprobs"] = openai_logprobs(choice)
+    return info
+
+
+def openai_logprobs(generation: Generation) -> dict[str, Any]:
+    """A generation's logprobs in OpenAI's chat shape: ``{"content": [{token, logprob,
+    bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(item.token, item.logprob), "top_logprobs": [entry(*top) for top in item.top]}
+                        for item in generation.logprobs or ()]}

@@ -15,7 +15,7 @@ from langchain_core.runnables import RunnableConfig
 
 from pagedrag.client import Generation, Messages, run_sync
 
-from ._engine import LangChainSettings, generation_info
+from ._engine import LangChainSettings, generation_info, openai_logprobs
 
 _ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool", "function": "function"}
 
@@ -27,16 +27,16 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
     ``ChatPagedRAG(model=..., engine_kwargs={...})`` any other model and pagedrag.EngineArgs;
     ``ChatPagedRAG(base_url="http://host:8000")`` talks to a ``pagedrag serve``.
 
-    Every reply carries ``usage_metadata`` (cached prompt tokens in
-    ``input_token_details["cache_read"]``) and ``response_metadata`` (finish_reason,
-    prompt_tokens, completion_tokens, cached_tokens, cache_hit_rate, model_name).
+    A drop-in for ChatOpenAI (and ChatOllama where the names map): see LangChainSettings
+    and pagedrag.rag.aliases. Every reply carries ``usage_metadata`` (cached prompt tokens
+    in ``input_token_details["cache_read"]``; in a stream on the last chunk, unless
+    ``stream_usage=False``) and ``response_metadata`` (finish_reason, prompt_tokens,
+    completion_tokens, cached_tokens, cache_hit_rate, model_name; ``logprobs`` when asked
+    for). With n > 1, ``generate`` returns n generations per input (``invoke`` the first).
     ``batch`` submits every input before collecting any, so the engine runs them as one
     batch. Decoding is greedy unless ``temperature`` says otherwise. Tool calling and
     structured output are not supported.
     """
-
-    streaming: bool = False
-    """Whether ``invoke`` streams internally (callbacks then see every token)."""
 
     @property
     def _llm_type(self) -> str:
@@ -55,18 +55,20 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
     # ---- generation -----------------------------------------------------------------------
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        return self._result(self.client.chat(engine_messages(messages), self.sampling(kwargs, stop), self.cache_salt))
+        params = self.call_sampling(kwargs, stop)
+        return self._result(self.client.generate(engine_messages(messages), params, self.cache_salt))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        generation = await self.client.achat(engine_messages(messages), self.sampling(kwargs, stop), self.cache_salt)
-        return self._result(generation)
+        params = self.call_sampling(kwargs, stop)
+        return self._result(await self.client.agenerate(engine_messages(messages), params, self.cache_salt))
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        for piece in self.client.stream_chat(engine_messages(messages), self.sampling(kwargs, stop), self.cache_salt):
-            chunk = self._chunk(piece)
+        params, usage = self.call_sampling(kwargs, stop), self.wants_stream_usage(kwargs)
+        for piece in self.client.stream(engine_messages(messages), params, self.cache_salt):
+            chunk = self._chunk(piece, usage)
             if run_manager:
                 run_manager.on_llm_new_token(piece.text, chunk=chunk)
             yield chunk
@@ -74,9 +76,9 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        pieces = self.client.astream_chat(engine_messages(messages), self.sampling(kwargs, stop), self.cache_salt)
-        async for piece in pieces:
-            chunk = self._chunk(piece)
+        params, usage = self.call_sampling(kwargs, stop), self.wants_stream_usage(kwargs)
+        async for piece in self.client.astream(engine_messages(messages), params, self.cache_salt):
+            chunk = self._chunk(piece, usage)
             if run_manager:
                 await run_manager.on_llm_new_token(piece.text, chunk=chunk)
             yield chunk
@@ -85,19 +87,24 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
         """A rendered prompt as this model sends it: its messages."""
         return engine_messages(prompt.to_messages())
 
-    def _result(self, generation: Generation) -> ChatResult:
-        info = generation_info(generation, self.model_label)
-        message = AIMessage(content=generation.text, usage_metadata=_usage(generation), response_metadata=info)
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)],
-                          llm_output={"model_name": info["model_name"]})
+    def _result(self, whole: Generation) -> ChatResult:
+        """One ChatGeneration per completion, each with the request's usage (as ChatOpenAI)."""
+        generations = []
+        for choice in whole.choices:
+            info = generation_info(choice, whole, self.model_label)
+            message = AIMessage(content=choice.text, usage_metadata=_usage(whole), response_metadata=info)
+            generations.append(ChatGeneration(message=message, generation_info=info))
+        return ChatResult(generations=generations, llm_output={"model_name": self.model_label})
 
-    def _chunk(self, piece: Generation) -> ChatGenerationChunk:
-        """A stream chunk; the last one carries the usage and the response metadata."""
+    def _chunk(self, piece: Generation, with_usage: bool) -> ChatGenerationChunk:
+        """A stream chunk (its logprobs in response_metadata, when asked for); the last one
+        carries the response metadata, and the usage unless ``with_usage`` is false."""
         if piece.finish_reason is None:
-            return ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
-        info = generation_info(piece, self.model_label)
-        message = AIMessageChunk(content=piece.text, usage_metadata=_usage(piece), response_metadata=info,
-                                 chunk_position="last")
+            metadata = {} if piece.logprobs is None else {"logprobs": openai_logprobs(piece)}
+            return ChatGenerationChunk(message=AIMessageChunk(content=piece.text, response_metadata=metadata))
+        info = generation_info(piece, piece, self.model_label)
+        message = AIMessageChunk(content=piece.text, usage_metadata=_usage(piece) if with_usage else None,
+                                 response_metadata=info, chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info=info)
 
 

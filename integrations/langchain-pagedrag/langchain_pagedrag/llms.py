@@ -12,18 +12,22 @@ from langchain_core.outputs import GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
 
 from pagedrag.client import Generation
+from pagedrag.sampling_params import SamplingParams
 
-from ._engine import LangChainSettings, generation_info
+from ._engine import LangChainSettings, generation_info, openai_logprobs
 
 
 class PagedRAGLLM(LangChainSettings, BaseLLM):
     """A pagedrag engine as a LangChain completion model: prompts are sent as they are
     (no chat template; use ChatPagedRAG for chats).
 
-    Same settings as ChatPagedRAG. Each generation's ``generation_info`` holds the
-    finish reason and the cache figures (prompt_tokens, completion_tokens, cached_tokens,
-    cache_hit_rate); ``llm_output["token_usage"]`` sums them over the prompts. ``batch``
-    and ``generate`` submit every prompt before collecting any (one engine batch).
+    Same settings as ChatPagedRAG (ChatOpenAI's names; pagedrag.rag.aliases). Each
+    generation's ``generation_info`` holds the finish reason and the request's figures
+    (prompt_tokens, completion_tokens, cached_tokens, cache_hit_rate; ``logprobs`` when
+    asked for); ``llm_output["token_usage"]`` sums them over the prompts. With n > 1 each
+    prompt has n generations. ``batch`` and ``generate`` submit every prompt before
+    collecting any (one engine batch); with ``streaming=True`` each prompt is streamed
+    instead (callbacks see every token).
     """
 
     @property
@@ -35,16 +39,23 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
-        return self._result(self.client.batch(prompts, self.sampling(kwargs, stop), self.cache_salt))
+        params = self.call_sampling(kwargs, stop)
+        if self.streaming:
+            return self._result([self._streamed(prompt, params, run_manager) for prompt in prompts])
+        return self._result(self.client.batch(prompts, params, self.cache_salt))
 
     async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
-        return self._result(await self.client.abatch(prompts, self.sampling(kwargs, stop), self.cache_salt))
+        params = self.call_sampling(kwargs, stop)
+        if self.streaming:
+            return self._result([await self._astreamed(prompt, params, run_manager) for prompt in prompts])
+        return self._result(await self.client.abatch(prompts, params, self.cache_salt))
 
     def _stream(self, prompt: str, stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
-        for piece in self.client.stream_complete(prompt, self.sampling(kwargs, stop), self.cache_salt):
-            chunk = self._chunk(piece)
+        params, usage = self.call_sampling(kwargs, stop), self.wants_stream_usage(kwargs)
+        for piece in self.client.stream(prompt, params, self.cache_salt):
+            chunk = self._chunk(piece, usage)
             if run_manager:
                 run_manager.on_llm_new_token(piece.text, chunk=chunk)
             yield chunk
@@ -52,8 +63,9 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
     async def _astream(self, prompt: str, stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[GenerationChunk]:
-        async for piece in self.client.astream_complete(prompt, self.sampling(kwargs, stop), self.cache_salt):
-            chunk = self._chunk(piece)
+        params, usage = self.call_sampling(kwargs, stop), self.wants_stream_usage(kwargs)
+        async for piece in self.client.astream(prompt, params, self.cache_salt):
+            chunk = self._chunk(piece, usage)
             if run_manager:
                 await run_manager.on_llm_new_token(piece.text, chunk=chunk)
             yield chunk
@@ -62,15 +74,38 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
         """A rendered prompt as this model sends it: its text."""
         return prompt.to_string()
 
-    def _result(self, generations: list[Generation]) -> LLMResult:
-        infos = [generation_info(g, self.model_label) for g in generations]
-        usage = {key: sum(info[key] for info in infos) for key in ("prompt_tokens", "completion_tokens",
-                                                                   "cached_tokens")}
-        return LLMResult(generations=[[LCGeneration(text=g.text, generation_info=info)]
-                                      for g, info in zip(generations, infos)],
-                         llm_output={"token_usage": usage, "model_name": self.model_label})
+    def _streamed(self, prompt: str, params: SamplingParams,
+                  run_manager: CallbackManagerForLLMRun | None) -> Generation:
+        """One prompt's generation through the stream, each piece reported as a new token."""
+        pieces = []
+        for piece in self.client.stream(prompt, params, self.cache_salt):
+            if run_manager:
+                run_manager.on_llm_new_token(piece.text, chunk=self._chunk(piece, True))
+            pieces.append(piece)
+        return Generation.joined(pieces)
 
-    def _chunk(self, piece: Generation) -> GenerationChunk:
-        """A stream chunk; the last one carries the finish reason and the cache figures."""
-        info = generation_info(piece, self.model_label) if piece.finish_reason is not None else None
-        return GenerationChunk(text=piece.text, generation_info=info)
+    async def _astreamed(self, prompt: str, params: SamplingParams,
+                         run_manager: AsyncCallbackManagerForLLMRun | None) -> Generation:
+        pieces = []
+        async for piece in self.client.astream(prompt, params, self.cache_salt):
+            if run_manager:
+                await run_manager.on_llm_new_token(piece.text, chunk=self._chunk(piece, True))
+            pieces.append(piece)
+        return Generation.joined(pieces)
+
+    def _result(self, wholes: list[Generation]) -> LLMResult:
+        generations = [[LCGeneration(text=choice.text, generation_info=generation_info(choice, whole, self.model_label))
+                        for choice in whole.choices] for whole in wholes]
+        usage = {key: sum(whole.cache_figures()[key] for whole in wholes)
+                 for key in ("prompt_tokens", "completion_tokens", "cached_tokens")}
+        return LLMResult(generations=generations, llm_output={"token_usage": usage, "model_name": self.model_label})
+
+    def _chunk(self, piece: Generation, with_usage: bool) -> GenerationChunk:
+        """A stream chunk (its logprobs, when asked for); the last one carries the finish
+        reason, and the token and cache figures unless ``with_usage`` is false."""
+        info = {} if piece.logprobs is None else {"logprobs": openai_logprobs(piece)}
+        if piece.finish_reason is not None:
+            figures = generation_info(piece, piece, self.model_label)
+            info = figures if with_usage else {**info, "finish_reason": piece.finish_reason,
+                                               "model_name": self.model_label}
+        return GenerationChunk(text=piece.text, generation_info=info or None)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import pytest
 from langchain_pagedrag import ChatPagedRAG
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 
 class TestChatPagedRAGStandard(ChatModelUnitTests):
-    """Skipped by the suite itself: test_serdes, because ChatPagedRAG is not marked
-    serializable. It could not pass if it were: langchain-core's ``load`` only revives
-    classes on its built-in allowlist (langchain_core.load.mapping), which a third-party
-    package is not on, so ``dumpd`` works but the round trip is refused."""
+    """The suite as published; test_serdes is expected to fail for the reason it gives."""
 
+    @pytest.mark.xfail(strict=True, reason=(
+        "load(allowed_objects='all') revives only classes on langchain-core's built-in allowlist "
+        "(langchain_core.load.mapping), which no third-party class is on; the same round trip with "
+        "allowed_objects=[ChatPagedRAG] passes (test_langchain_dropin.py)"))
+    def test_serdes(self, model, snapshot) -> None:
+        super().test_serdes(model, snapshot)
     @property
     def chat_model_class(self) -> type[ChatPagedRAG]:
         return ChatPagedRAG

@@ -20,6 +20,7 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import openai
 
 from pagedrag.sampling_params import SamplingParams
@@ -91,7 +92,9 @@ class RemoteClient(EngineClient):
 
     async def astats(self) -> dict[str, Any]:
         with _translated_errors():
-            return await self._openai().get("stats", cast_to=dict)
+            # the raw response, then its JSON: a bare ``dict`` cast fails in openai 2.x
+            response = await self._openai().get("stats", cast_to=httpx.Response)
+            return response.json()
 
     async def ainfo(self) -> EngineInfo:
         if self._info is None:

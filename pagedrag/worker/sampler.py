@@ -59,6 +59,7 @@ class SamplingBatch:
     all_greedy: bool = False
     needs_top_k_top_p: bool = False
     needs_min_p: bool = False
+    needs_ranks: bool = False  # some row asked for logprobs (ranks cost a pass over [N, V])
 
     @classmethod
     def from_params(
@@ -90,6 +91,7 @@ class SamplingBatch:
             min_ps=min_ps,
             generators=[g if s else None for g, s in zip(generators, sampled)],
             num_logprobs=[p.logprobs or 0 for p in params],
+            needs_ranks=any(p.logprobs is not None for p in params),
             penalties=Penalties.from_params(params, prompt_token_ids, output_token_ids, device),
             banned=_banned(params, output_token_ids, eos_token_id, bad_words_token_ids, device),
             bias=_logit_bias(params, device),
@@ -219,7 +221,7 @@ class Sample:
 
     token_id: int
     logprob: float  # of token_id, from the processed logits before temperature
-    rank: int  # of token_id among the processed logits (1 = the most likely)
+    rank: int  # of token_id among the processed logits (1 = the most likely; 0 when no row asked for logprobs)
     top_logprobs: dict[int, float]  # the row's num_logprobs most likely tokens, best first
 
 
@@ -356,7 +358,8 @@ def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, batch: Samplin
     log_norm = logits.logsumexp(dim=-1)
     chosen = logits.gather(1, token_ids.unsqueeze(1))
     logprobs = chosen.squeeze(1) - log_norm
-    ranks = (logits > chosen).sum(dim=-1) + 1
+    # rank 0 means "not computed": only rows that asked for logprobs read it
+    ranks = (logits > chosen).sum(dim=-1) + 1 if batch.needs_ranks else torch.zeros_like(token_ids)
     top_token_ids = top_logprobs = None
     if batch.max_num_logprobs > 0:
         top = logits.topk(batch.max_num_logprobs, dim=-1)

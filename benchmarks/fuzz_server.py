@@ -218,6 +218,13 @@ HOSTILE_CASES = (
     HostileCase("stop_token_ids=2**70,min_tokens", COMPLETIONS, _hello(min_tokens=3, stop_token_ids=[2**70]), BAD),
     HostileCase("stop_token_ids=-1e6,min_tokens", COMPLETIONS, _hello(min_tokens=3, stop_token_ids=[-10**6]), BAD),
     HostileCase("seed=2**64-1,n=2", COMPLETIONS, _hello(n=2, seed=2**64 - 1), CLEAN),
+    # the vLLM sampling extras added with the drop-in work
+    HostileCase("logit_bias=out_of_vocab", COMPLETIONS, _hello(logit_bias={str(10**9): 1.0}), BAD),
+    HostileCase("logit_bias=huge_value", COMPLETIONS, _hello(logit_bias={"5": 1e30}), BAD),
+    HostileCase("allowed_token_ids=negative", COMPLETIONS, _hello(allowed_token_ids=[-1]), BAD),
+    HostileCase("bad_words=lone_surrogate", COMPLETIONS, _hello(bad_words=["\udc80"]), BAD),
+    HostileCase("truncate_prompt_tokens=0", COMPLETIONS, _hello(truncate_prompt_tokens=0), BAD),
+    HostileCase("prompt_logprobs=1000", COMPLETIONS, _hello(prompt_logprobs=1000), BAD),
     HostileCase("cache_salt=lone_surrogate", COMPLETIONS,
                 {"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "cache_salt": "\ud800"}, CLEAN),
     HostileCase("chat_template=3M_string", CHAT, _template(HUGE_TEMPLATE), BAD),

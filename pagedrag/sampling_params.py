@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from pagedrag.structured.params import StructuredOutputsParams
 from pagedrag.text_checks import check_bool, check_float, check_int, check_utf8
 
 logger = logging.getLogger("pagedrag")
@@ -51,6 +52,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words never generated (their last token is banned in context)
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
+    structured_outputs: StructuredOutputsParams | dict | None = None  # the output's shape (a grammar)
+    guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name for structured_outputs
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,11 +64,20 @@ class SamplingParams:
                            check_float("a logit_bias value", v) for k, v in (self.logit_bias or {}).items()}
         self.allowed_token_ids = list(self.allowed_token_ids or [])
         self.bad_words = list(self.bad_words or [])
+        self._settle_structured_outputs()
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
         self._settle_temperature()
+
+    def _settle_structured_outputs(self) -> None:
+        """``guided_decoding`` is moved to ``structured_outputs`` (dicts become params)."""
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or its older name guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
 
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):

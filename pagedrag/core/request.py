@@ -63,6 +63,7 @@ class Request:
     num_inflight_tokens: int = 0  # sampled on the device, not yet read back (async scheduling)
     pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized
+    grammar: object | None = None  # xgrammar GrammarMatcher of structured outputs: has accepted every output token
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def __post_init__(self) -> None:
@@ -113,6 +114,7 @@ class Request:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.bad_words_token_ids = self.bad_words_token_ids
+        child.grammar = None if self.grammar is None else self.grammar.fork()
         child.status = self.status
         child.metrics = RequestMetrics(self.metrics.arrival_time, self.metrics.first_scheduled_time)
         return child

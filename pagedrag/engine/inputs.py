@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedrag.sampling_params import SamplingParams
+from pagedrag.structured.compiler import GrammarCompiler
 from pagedrag.text_checks import check_int, check_utf8
 
 PromptType = str | Sequence[int] | Mapping
@@ -37,15 +38,18 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
+                 eos_token_ids: list[int] = ()):
         self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, list(eos_token_ids))  # shared by copies
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_prompt_chars = max_model_len * CHARS_PER_TOKEN_SAFETY * _longest_token_chars(tokenizer)
 
     def copy(self) -> "InputProcessor":
-        """An independent processor for another thread (a tokenizer is not shared across threads)."""
+        """An independent processor for another thread (a tokenizer is not shared across
+        threads; the thread-safe grammar compiler and its cache are)."""
         clone = copy.copy(self)
         clone.tokenizer = copy.deepcopy(self.tokenizer)
         return clone
@@ -170,6 +174,8 @@ class InputProcessor:
         if (params.stop or params.bad_words) and self.tokenizer is None:
             raise ValueError("stop strings and bad_words need a tokenizer, and this model has none; "
                              "use stop_token_ids / logit_bias")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # a bad constraint fails here, cached if good
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word as token ids, alone and after a space (as vLLM tokenizes them), so

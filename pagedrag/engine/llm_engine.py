@@ -58,7 +58,8 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.vocab_size = loaded.hf_config.vocab_size
-        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs)
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs,
+                                     sorted(self.eos_token_ids))
         self.default_params = SamplingParams(**loaded.sampling_defaults)
         self.shape = CacheShape(loaded.module.num_layers, args.block_size, loaded.module.num_kv_heads,
                                 loaded.module.head_dim, self.dtype)
@@ -134,6 +135,8 @@ class LLMEngine:
         request.pending_forks = params.n - 1
         if params.bad_words:
             request.bad_words_token_ids = self.inputs.bad_words_token_ids(params)
+        if params.structured_outputs is not None:
+            request.grammar = self.inputs.grammars.matcher(params.structured_outputs)
         group = RequestGroup(request_id, prompt.text, prompt.token_ids, params.n, [request])
         group.texts[request.request_id] = new_sequence_text(self.tokenizer, request)
         self.groups[request_id] = group
@@ -315,7 +318,7 @@ class LLMEngine:
         record_logprobs(seq, sample, self._decode_token)
         self._observe_latency(seq)
         group = self.groups[seq.group_id]
-        status = self.stop_policy.check_token(seq)
+        status = self.stop_policy.check_token(seq) or _advance_grammar(seq)
         status = update_text(group.texts[seq.request_id], seq, finishing=status is not None) or status
         if status is not None:
             self.scheduler.finish(seq, status)
@@ -370,6 +373,19 @@ class LLMEngine:
             "generation_tokens": self.metrics.num_generation_tokens,
             "device": str(self.device),
         }
+
+
+def _advance_grammar(seq: Request) -> RequestStatus | None:
+    """Feed the newest token to the sequence's grammar; a complete grammar stops it (even
+    with ignore_eos). A token the grammar refuses (only possible when the request's own
+    bans or allowed_token_ids left no allowed token) fails the request alone."""
+    if seq.grammar is None:
+        return None
+    token = seq.token_ids[-1]
+    if not seq.grammar.accept_token(token):
+        raise ValueError(f"token {token} does not fit the request's structured output: its other sampling "
+                         "constraints (allowed_token_ids, logit_bias, bad_words) left no token the grammar allows")
+    return RequestStatus.FINISHED_STOPPED if seq.grammar.is_terminated() else None
 
 
 def _decode_one(tokenizer, token: int) -> str:

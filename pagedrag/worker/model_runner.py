@@ -27,6 +27,7 @@ from pagedrag.core.block_pool import blocks_for
 from pagedrag.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedrag.models.attention import AttentionMetadata
 from pagedrag.core.request import Request
+from pagedrag.structured.masks import fill_masks
 from pagedrag.worker.cuda_graphs import StepGraphs
 from pagedrag.worker.kv_cache import KVCacheTensors
 from pagedrag.worker.prompt_logprobs import PromptRows, prompt_rows, prompt_samples
@@ -230,13 +231,15 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, plan: list[SamplingRow]) -> InflightTokens | None:
         """Sample the next token of every sequence in ``plan`` from its row of ``logits`` (from
-        ``execute``) and start copying the tokens to the host; None when nothing samples."""
+        ``execute``) and start copying the tokens to the host; None when nothing samples.
+        The grammars' masks are filled here, on the host, while the forward pass runs."""
         if not plan:
             return None
         requests = [row.request for row in plan]
         batch = SamplingBatch.from_params(
             [r.params for r in requests], [r.generator for r in requests],
             [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
-            self.device, self.eos_token_id, [r.bad_words_token_ids for r in requests])
+            self.device, self.eos_token_id, [r.bad_words_token_ids for r in requests],
+            fill_masks([r.grammar for r in requests], logits.shape[-1], self.device))
         rows = host_to_device([row.logits_row for row in plan], torch.int64, self.device)
         return InflightTokens.start(requests, self.sampler(logits[rows], batch))

@@ -3,9 +3,9 @@
 One step, for a batch of N rows (one per sampling sequence) over a vocabulary of V:
 
 1. processed logits = raw logits, with penalties (repetition, then frequency and
-   presence), logit_bias added, tokens outside allowed_token_ids at -inf, and banned
+   presence), logit_bias added, tokens outside allowed_token_ids at -inf, banned
    tokens at -inf (stop tokens under min_tokens; the token that would complete a bad
-   word);
+   word), and tokens a row's grammar does not allow now at -inf (structured outputs);
 2. logprobs are read from log_softmax(processed logits), before temperature;
 3. greedy rows (temperature 0) take argmax(processed logits), exactly;
 4. other rows: divide by temperature, keep top-k, then top-p (over the top-k
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedrag.sampling_params import SamplingParams
+from pagedrag.structured.masks import allowed_tokens
 from pagedrag.worker.transfer import host_to_device
 
 
@@ -56,6 +57,7 @@ class SamplingBatch:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) forced to -inf
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, values) added
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (restricted rows, rows, ids)
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # (constrained rows, their token bitmask)
     all_greedy: bool = False
     needs_top_k_top_p: bool = False
     needs_min_p: bool = False
@@ -71,6 +73,7 @@ class SamplingBatch:
         device: torch.device | str,
         eos_token_id: int | None = None,
         bad_words_token_ids: list[list[list[int]]] | None = None,
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingBatch:
         """Gather the parameters of N >= 1 rows into tensors.
 
@@ -80,6 +83,7 @@ class SamplingBatch:
         ``stop_token_ids`` (and ``eos_token_id`` unless ignore_eos) from being sampled
         while fewer than ``min_tokens`` tokens were generated. ``bad_words_token_ids[i]`` are
         row i's bad words as token sequences (the engine tokenizes SamplingParams.bad_words).
+        ``grammar`` is (rows, bitmask) from ``pagedrag.structured.masks.fill_masks``.
         """
         sampled = [not p.greedy for p in params]
         table = [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]
@@ -96,6 +100,7 @@ class SamplingBatch:
             banned=_banned(params, output_token_ids, eos_token_id, bad_words_token_ids, device),
             bias=_logit_bias(params, device),
             allowed=_allowed(params, device),
+            grammar=grammar,
             all_greedy=not any(sampled),
             needs_top_k_top_p=any(s and (p.top_k > 0 or p.top_p < 1) for p, s in zip(params, sampled)),
             needs_min_p=any(s and p.min_p > 0 for p, s in zip(params, sampled)),
@@ -177,11 +182,12 @@ def _banned(
     device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) that must not be sampled now, or None: stop tokens while a row has
-    fewer than min_tokens, and each bad word's last token when the output ends with the
-    word's other tokens (a one-token bad word is always banned)."""
+    fewer than min_tokens (unless its output is constrained: a complete grammar allows only
+    the stop tokens, and wins), and each bad word's last token when the output ends with
+    the word's other tokens (a one-token bad word is always banned)."""
     pairs = []
     for row, (p, output) in enumerate(zip(params, output_token_ids)):
-        if len(output) < p.min_tokens:
+        if len(output) < p.min_tokens and p.structured_outputs is None:
             stops = list(p.stop_token_ids)
             if eos_token_id is not None and not p.ignore_eos:
                 stops.append(eos_token_id)
@@ -281,8 +287,8 @@ class Sampler:
 
 
 def _process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalties, logit_bias, allowed_token_ids and the bans: the logits that logprobs and
-    greedy see."""
+    """Penalties, logit_bias, allowed_token_ids, the bans and the grammars: the logits that
+    logprobs and greedy see."""
     if batch.penalties is not None:
         logits = batch.penalties.apply(logits)
     if batch.bias is not None:
@@ -292,7 +298,16 @@ def _process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.masked_fill(_outside_allowed(logits, *batch.allowed), float("-inf"))
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, logits.new_tensor(float("-inf")))
+    if batch.grammar is not None:
+        logits = logits.masked_fill(_outside_grammar(logits, *batch.grammar), float("-inf"))
     return logits
+
+
+def _outside_grammar(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """True for the tokens a constrained row's grammar does not allow next."""
+    blocked = torch.zeros_like(logits, dtype=torch.bool)
+    blocked[rows] = ~allowed_tokens(bitmask, logits.shape[1])
+    return blocked
 
 
 def _outside_allowed(logits: torch.Tensor, restricted: torch.Tensor, rows: torch.Tensor,

@@ -1,0 +1,111 @@
+"""Compile output constraints into grammars, with xgrammar, once per constraint.
+
+One ``GrammarCompiler`` serves one tokenizer (the vocabulary the masks are over). It is
+thread-safe and shared by every InputProcessor copy of an engine, so a constraint
+compiled while a request is checked (on any thread) is a cache hit when the engine
+makes the request's matcher. The tokenizer's vocabulary is read on first use (a
+quarter of a second for 50k tokens), not at engine start.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+
+from pagedrag.structured.params import StructuredOutputsParams
+
+CACHE_ENTRIES = 512  # compiled grammars kept, least recently used first out
+# JSON may hold free whitespace between tokens (as vLLM's default), but at most this many
+# characters in a row: enough for pretty-printed JSON nested eight deep, and small models
+# can no longer fill max_tokens with newlines.
+MAX_JSON_WHITESPACE = 16
+
+
+class GrammarCompiler:
+    """``compile(params)`` -> xgrammar CompiledGrammar; ``matcher(params)`` -> a fresh
+    GrammarMatcher. A constraint xgrammar cannot take is a ValueError naming it.
+
+    ``stop_token_ids`` end a completed grammar (the model's EOS tokens): once the output
+    is complete, only they are allowed.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self.num_compiled = 0
+        self.compile_seconds = 0.0
+
+    def matcher(self, params: StructuredOutputsParams):
+        import xgrammar
+        return xgrammar.GrammarMatcher(self.compile(params))
+
+    def compile(self, params: StructuredOutputsParams):
+        key = params.cache_key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        started = time.perf_counter()
+        compiled = self._compile(params)
+        with self._lock:
+            self.num_compiled += 1
+            self.compile_seconds += time.perf_counter() - started
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams):
+        compiler = self._xgrammar_compiler()
+        kind = params.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(params.json, any_whitespace=not params.disable_any_whitespace,
+                                                    max_whitespace_cnt=MAX_JSON_WHITESPACE)
+            if kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(params.choice))
+            if "::=" in params.grammar:
+                return compiler.compile_grammar(params.grammar)
+            return compiler.compile_lark(params.grammar)
+        except Exception as error:  # xgrammar raises RuntimeError / its own types for bad input
+            raise ValueError(f"structured outputs: the {_kind_name(params)} cannot be compiled: "
+                             f"{_first_line(error)}") from None
+
+    def _xgrammar_compiler(self):
+        if self._tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly ``choices`` (JSON string escapes are
+    EBNF string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+
+
+def _kind_name(params: StructuredOutputsParams) -> str:
+    return {"json": "JSON schema", "json_object": "JSON grammar", "regex": "regex", "choice": "choice",
+            "grammar": "grammar"}[params.kind]
+
+
+def _first_line(error: Exception) -> str:
+    """The error's message, without xgrammar's "[time] source.cc:line: " prefix."""
+    text = str(error).strip() or type(error).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text.splitlines()[0])[:500]

@@ -69,6 +69,10 @@ class EngineArgs:
                                            "made for vLLM")
     cpu_threads: int | None = _arg(None, "threads for CPU compute; default: the physical cores this "
                                          "process may use")
+    tool_call_parser: str | None = _arg(None, "how tool calls are read from the model's text: hermes, "
+                                              "llama3_json or smollm2; default: from the chat template")
+    enable_auto_tool_choice: bool = _arg(True, "let the model decide whether to call a tool (tool_choice "
+                                               "auto); off: only none, required or a named function")
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -105,6 +109,8 @@ class EngineArgs:
              f"metrics_prefix must be pagedrag or vllm, got {self.metrics_prefix!r}"),
             (self.cpu_threads is None or self.cpu_threads >= 1,
              f"cpu_threads must be at least 1, got {self.cpu_threads}"),
+            (self.tool_call_parser in (None, "hermes", "llama3_json", "smollm2"),
+             f"tool_call_parser must be hermes, llama3_json or smollm2, got {self.tool_call_parser!r}"),
         ]
         for ok, message in checks:
             if not ok:

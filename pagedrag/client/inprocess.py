@@ -17,7 +17,8 @@ from pagedrag.engine.inputs import ProcessedPrompt
 from pagedrag.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.client.bridge import run_sync
-from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, TokenLogprob
+from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, TokenLogprob, ToolRequest
+from pagedrag.tools import ToolCallSplitter, ToolParser, ToolPlan, whole_choice
 
 _Submission = tuple[ProcessedPrompt, SamplingParams, "asyncio.Future[RequestStream]"]
 
@@ -42,10 +43,21 @@ class SharedEngine:
     def engine_prompt(self, prompt: Prompt, cache_salt: str | None = None) -> ProcessedPrompt:
         """Text, or a conversation rendered as ``LLM.chat`` renders it, tokenized and checked
         (ValueError / TypeError for bad input)."""
+        return self.engine_request(prompt, SamplingParams(), cache_salt, None)[0]
+
+    def engine_request(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
+                       tools: ToolRequest | None) -> tuple[ProcessedPrompt, SamplingParams, ToolPlan | None]:
+        """The engine's prompt and parameters for a request: a chat's tools are checked and
+        rendered, and a forced tool choice becomes the parameters' grammar."""
         with self._inputs_lock:
             if isinstance(prompt, str):
-                return self.inputs.process(prompt, cache_salt)
-            return self.inputs.render_chat(prompt, cache_salt=cache_salt)
+                if tools is not None:
+                    raise ValueError("tools need a chat (a list of messages), not a text prompt")
+                return self.inputs.process(prompt, cache_salt), params, None
+            plan = None if tools is None else self.inputs.plan_tools(tools.tools, tools.tool_choice,
+                                                                     tools.parallel_tool_calls)
+            params = params if plan is None else plan.constrain(params)
+            return self.inputs.render_chat(prompt, cache_salt=cache_salt, tools=plan), params, plan
 
     async def submit(self, prompt: ProcessedPrompt, params: SamplingParams) -> RequestStream:
         """Queue a request at the end of this loop turn; its stream of RequestOutputs."""
@@ -100,25 +112,29 @@ class InProcessClient(EngineClient):
     def __init__(self, shared: SharedEngine):
         self.shared = shared
 
-    async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None) -> Generation:
-        stream = await self.shared.submit(self.shared.engine_prompt(prompt, cache_salt), params)
+    async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
+                        tools: ToolRequest | None = None) -> Generation:
+        engine_prompt, params, plan = self.shared.engine_request(prompt, params, cache_salt, tools)
+        stream = await self.shared.submit(engine_prompt, params)
         final = None
         try:
             async for output in stream:
                 final = output
         finally:
             await stream.aclose()
-        return _whole(final, params.logprobs)
+        return _whole(final, params.logprobs, plan, self.shared.inputs.tool_parser)
 
-    async def _stream(self, prompt: Prompt, params: SamplingParams,
-                      cache_salt: str | None) -> AsyncIterator[Generation]:
-        stream = await self.shared.submit(self.shared.engine_prompt(prompt, cache_salt), params)
+    async def _stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
+                      tools: ToolRequest | None = None) -> AsyncIterator[Generation]:
+        engine_prompt, params, plan = self.shared.engine_request(prompt, params, cache_salt, tools)
+        stream = await self.shared.submit(engine_prompt, params)
         cursor = ChoiceCursor(0)
+        splitter = ToolCallSplitter(plan, self.shared.inputs.tool_parser)
         try:
             async for output in stream:
                 delta = cursor.advance(output.outputs[0], wants_logprobs=params.logprobs is not None)
                 if delta is not None:
-                    yield _piece(delta, output, params.logprobs)
+                    yield _piece(delta, output, params.logprobs, splitter)
         finally:
             await stream.aclose()
 
@@ -134,29 +150,33 @@ class InProcessClient(EngineClient):
         run_sync(self.shared.engine.reset_prefix_cache())
 
 
-def _piece(delta: ChoiceDelta, output: RequestOutput, top: int | None) -> Generation:
-    """A stream's piece: new text (and its tokens' logprobs, when asked for); the last piece
-    also carries the finish reason and the request's token counts."""
+def _piece(delta: ChoiceDelta, output: RequestOutput, top: int | None, splitter: ToolCallSplitter) -> Generation:
+    """A stream's piece: new content (and the new tokens' logprobs, when asked for); the last
+    piece also carries the finish reason, the tool calls and the request's token counts."""
     logprobs = None if top is None else _logprobs(delta.token_ids, delta.logprobs, top)
-    if delta.finish_reason is None:
-        return Generation(delta.text, logprobs=logprobs)
-    return Generation(delta.text, delta.finish_reason, len(output.prompt_token_ids),
-                      len(output.outputs[0].token_ids), output.num_cached_tokens, logprobs)
+    finished = delta.finish_reason is not None
+    text, calls = splitter.feed(delta.text, finished)
+    if not finished:
+        return Generation(text, logprobs=logprobs)
+    return Generation(text, "tool_calls" if calls else delta.finish_reason, len(output.prompt_token_ids),
+                      len(output.outputs[0].token_ids), output.num_cached_tokens, logprobs,
+                      tool_calls=tuple(calls))
 
 
-def _whole(output: RequestOutput, top: int | None) -> Generation:
+def _whole(output: RequestOutput, top: int | None, plan: ToolPlan | None, parser: ToolParser) -> Generation:
     """A finished request: its first completion with the request's counts, the others in ``more``."""
     completions = sorted(output.outputs, key=lambda completion: completion.index)
-    first, *more = (_choice(completion, top) for completion in completions)
+    first, *more = (_choice(completion, top, plan, parser) for completion in completions)
     return dataclasses.replace(first, prompt_tokens=len(output.prompt_token_ids),
                                completion_tokens=sum(len(c.token_ids) for c in completions),
                                cached_tokens=output.num_cached_tokens, more=tuple(more))
 
 
-def _choice(completion: CompletionOutput, top: int | None) -> Generation:
-    """One finished completion's text, finish reason and logprobs (no counts)."""
+def _choice(completion: CompletionOutput, top: int | None, plan: ToolPlan | None, parser: ToolParser) -> Generation:
+    """One finished completion's content, tool calls, finish reason and logprobs (no counts)."""
     logprobs = None if top is None else _logprobs(completion.token_ids, completion.logprobs, top)
-    return Generation(completion.text, completion.finish_reason, logprobs=logprobs)
+    content, calls, finish_reason = whole_choice(plan, parser, completion.text, completion.finish_reason)
+    return Generation(content or "", finish_reason, logprobs=logprobs, tool_calls=tuple(calls))
 
 
 def _logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None,

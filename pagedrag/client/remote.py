@@ -24,7 +24,8 @@ import httpx
 import openai
 
 from pagedrag.sampling_params import SamplingParams
-from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, TokenLogprob
+from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, TokenLogprob, ToolRequest
+from pagedrag.tools import ToolCall
 
 # SamplingParams fields that the SDK's create() names, always sent; the others are extras
 _OPENAI_FIELDS = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "stop",
@@ -64,31 +65,35 @@ class RemoteClient(EngineClient):
         self._clients_lock = threading.Lock()
         self._info: EngineInfo | None = None  # what /v1/models said; it does not change
 
-    async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None) -> Generation:
+    async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
+                        tools: ToolRequest | None = None) -> Generation:
         with _translated_errors():
-            response = await self._create(prompt, params, cache_salt, stream=False)
+            response = await self._create(prompt, params, cache_salt, stream=False, tools=tools)
         first, *more = (_choice(choice, isinstance(prompt, str))
                         for choice in sorted(response.choices, key=lambda choice: choice.index))
         return _with_usage(dataclasses.replace(first, more=tuple(more)), response.usage)
 
-    async def _stream(self, prompt: Prompt, params: SamplingParams,
-                      cache_salt: str | None) -> AsyncIterator[Generation]:
+    async def _stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
+                      tools: ToolRequest | None = None) -> AsyncIterator[Generation]:
         finish_reason, usage, completion = None, None, isinstance(prompt, str)
+        calls = _StreamedCalls()
         with _translated_errors():
-            stream = await self._create(prompt, params, cache_salt, stream=True)
+            stream = await self._create(prompt, params, cache_salt, stream=True, tools=tools)
             try:
                 async for chunk in stream:
                     usage = chunk.usage or usage
                     for choice in chunk.choices:
                         finish_reason = choice.finish_reason or finish_reason
                         text = choice.text if completion else choice.delta.content
+                        if not completion:
+                            calls.add(choice.delta.tool_calls)
                         logprobs = _logprobs(choice.logprobs, completion, params.logprobs)
                         if text or logprobs:
                             yield Generation(text or "", logprobs=logprobs)
             finally:
                 await stream.close()  # closing early drops the connection: the server aborts
         empty = None if params.logprobs is None else ()
-        yield _with_usage(Generation("", finish_reason, logprobs=empty), usage)
+        yield _with_usage(Generation("", finish_reason, logprobs=empty, tool_calls=calls.whole()), usage)
 
     async def astats(self) -> dict[str, Any]:
         with _translated_errors():
@@ -104,7 +109,8 @@ class RemoteClient(EngineClient):
             self._info = EngineInfo(card.id, card.model_extra["max_model_len"])
         return self._info
 
-    async def _create(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None, stream: bool):
+    async def _create(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None, stream: bool,
+                      tools: ToolRequest | None = None):
         """A completion (text) or chat (messages) request through the SDK."""
         model = self.model if self.model is not None else (await self.ainfo()).model_name
         options = {"model": model, "stream": stream, **_sampling_body(params, cache_salt),
@@ -113,8 +119,10 @@ class RemoteClient(EngineClient):
             options["stream_options"] = {"include_usage": True}
         client = self._openai()
         if isinstance(prompt, str):
+            if tools is not None:
+                raise ValueError("tools need a chat (a list of messages), not a text prompt")
             return await client.completions.create(prompt=prompt, **options)
-        return await client.chat.completions.create(messages=prompt, **options)
+        return await client.chat.completions.create(messages=prompt, **options, **_tools_body(tools))
 
     def _openai(self) -> openai.AsyncOpenAI:
         """The running event loop's SDK client."""
@@ -137,6 +145,34 @@ def _sampling_body(params: SamplingParams, cache_salt: str | None) -> dict[str, 
     return {**{name: fields[name] for name in _OPENAI_FIELDS}, "extra_body": extras}
 
 
+def _tools_body(tools: ToolRequest | None) -> dict[str, Any]:
+    """The chat's tools, tool_choice and parallel_tool_calls, those that were given."""
+    if tools is None:
+        return {}
+    body = {"tools": tools.tools, "tool_choice": tools.tool_choice, "parallel_tool_calls": tools.parallel_tool_calls}
+    return {name: value for name, value in body.items() if value is not None}
+
+
+class _StreamedCalls:
+    """Tool calls as a chat stream sends them: pieces by index (id and name first, then the
+    arguments' text in parts), joined once the stream ends."""
+
+    def __init__(self):
+        self._calls: dict[int, dict[str, str]] = {}
+
+    def add(self, pieces) -> None:
+        for piece in pieces or ():
+            call = self._calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] = piece.id or call["id"]
+            if piece.function is not None:
+                call["name"] = piece.function.name or call["name"]
+                call["arguments"] += piece.function.arguments or ""
+
+    def whole(self) -> tuple[ToolCall, ...]:
+        return tuple(ToolCall(call["id"], call["name"], call["arguments"])
+                     for _, call in sorted(self._calls.items()))
+
+
 def _logprobs_body(top: int | None, completion: bool) -> dict[str, Any]:
     """SamplingParams.logprobs as each route asks for it: /v1/completions ``logprobs=k``,
     /v1/chat/completions ``logprobs=true, top_logprobs=k``."""
@@ -148,7 +184,10 @@ def _logprobs_body(top: int | None, completion: bool) -> dict[str, Any]:
 def _choice(choice, completion: bool) -> Generation:
     """One choice of a whole response (prompt figures come from the usage)."""
     text = choice.text if completion else choice.message.content or ""
-    return Generation(text, choice.finish_reason, logprobs=_logprobs(choice.logprobs, completion, None))
+    calls = () if completion else tuple(ToolCall(call.id, call.function.name, call.function.arguments)
+                                        for call in choice.message.tool_calls or ())
+    return Generation(text, choice.finish_reason, logprobs=_logprobs(choice.logprobs, completion, None),
+                      tool_calls=calls)
 
 
 def _logprobs(logprobs, completion: bool, asked: int | None) -> tuple[TokenLogprob, ...] | None:

@@ -19,9 +19,10 @@ from pagedrag.engine.inputs import check_conversation
 from pagedrag.models.loader import EMBEDDED_NAME
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.client.bridge import iterate_sync, run_sync
+from pagedrag.tools import ToolCall
 
 DEFAULT_MODEL_NAME = EMBEDDED_NAME
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 Prompt = str | Messages
 """A completion prompt (text) or a chat conversation (messages)."""
 
@@ -45,6 +46,10 @@ class Generation:
     token counts; the counts of earlier pieces are 0, so summing pieces gives the totals.
     ``logprobs`` (when asked for) cover exactly the tokens of ``text``.
 
+    ``tool_calls`` are the calls a chat with tools made (then ``finish_reason`` is
+    "tool_calls" and ``text`` the content besides them, often empty); in a stream they come
+    with the last piece.
+
     A whole generation of n > 1 completions is the first one, with the other n - 1 in
     ``more`` (each with its own text, finish reason and logprobs). The token counts are the
     request's, as OpenAI's usage counts them (completion_tokens over all n), and are on the
@@ -58,6 +63,7 @@ class Generation:
     cached_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] | None = None
     more: tuple["Generation", ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @classmethod
     def joined(cls, pieces: Sequence["Generation"]) -> "Generation":
@@ -92,6 +98,27 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class ToolRequest:
+    """A chat's tools, as OpenAI's chat API takes them: ``tools`` ([{"type": "function",
+    "function": {"name", "description", "parameters"}}]), ``tool_choice`` ("none", "auto",
+    "required" or {"type": "function", "function": {"name": ...}}; None: "auto" with
+    tools) and ``parallel_tool_calls`` (None: allowed). Checked by the back end
+    (pagedrag.tools.plan_tools; ValueError for a bad one)."""
+
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    @classmethod
+    def of(cls, tools: list[dict] | None, tool_choice: str | dict | None,
+           parallel_tool_calls: bool | None) -> "ToolRequest | None":
+        """None when nothing about tools was said."""
+        if tools is None and tool_choice is None and parallel_tool_calls is None:
+            return None
+        return cls(tools, tool_choice, parallel_tool_calls)
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What an engine serves: the model's name and its context window in tokens."""
 
@@ -119,11 +146,14 @@ class EngineClient(ABC):
     """
 
     @abstractmethod
-    async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None) -> Generation:
-        """All n completions of a checked text prompt or conversation."""
+    async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
+                        tools: ToolRequest | None = None) -> Generation:
+        """All n completions of a checked text prompt or conversation (``tools``: only with a
+        conversation)."""
 
     @abstractmethod
-    def _stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None) -> AsyncIterator[Generation]:
+    def _stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
+                tools: ToolRequest | None = None) -> AsyncIterator[Generation]:
         """The one completion (n == 1) of a checked prompt as it is generated (see
         ``Generation`` for the pieces). Closing the iterator early aborts the request."""
 
@@ -152,17 +182,25 @@ class EngineClient(ABC):
         check_single(params)
         return await self._generate(_text(prompt), params, cache_salt)
 
-    async def achat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None) -> Generation:
+    async def achat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None, *,
+                    tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+                    parallel_tool_calls: bool | None = None) -> Generation:
+        """One reply to a conversation; with ``tools`` (see ToolRequest) it may be tool calls."""
         check_single(params)
-        return await self._generate(_conversation(messages), params, cache_salt)
+        return await self._generate(_conversation(messages), params, cache_salt,
+                                    ToolRequest.of(tools, tool_choice, parallel_tool_calls))
 
     def astream_complete(self, prompt: str, params: SamplingParams,
                          cache_salt: str | None = None) -> AsyncIterator[Generation]:
         return self.astream(_text(prompt), params, cache_salt)
 
-    def astream_chat(self, messages: Messages, params: SamplingParams,
-                     cache_salt: str | None = None) -> AsyncIterator[Generation]:
-        return self.astream(_conversation(messages), params, cache_salt)
+    def astream_chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None, *,
+                     tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+                     parallel_tool_calls: bool | None = None) -> AsyncIterator[Generation]:
+        """The reply as it is generated; tool calls (if any) come with the last piece."""
+        check_single(params, "a stream")
+        return self._stream(_conversation(messages), params, cache_salt,
+                            ToolRequest.of(tools, tool_choice, parallel_tool_calls))
 
     async def abatch(self, prompts: Sequence[Prompt], params: SamplingParams,
                      cache_salt: str | None = None) -> list[Generation]:
@@ -187,16 +225,19 @@ class EngineClient(ABC):
     def complete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None) -> Generation:
         return run_sync(self.acomplete(prompt, params, cache_salt))
 
-    def chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None) -> Generation:
-        return run_sync(self.achat(messages, params, cache_salt))
+    def chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None,
+             **tools: Any) -> Generation:
+        """``achat``, synchronously (``tools``: its tools, tool_choice, parallel_tool_calls)."""
+        return run_sync(self.achat(messages, params, cache_salt, **tools))
 
     def stream_complete(self, prompt: str, params: SamplingParams,
                         cache_salt: str | None = None) -> Iterator[Generation]:
         return iterate_sync(self.astream_complete(prompt, params, cache_salt))
 
-    def stream_chat(self, messages: Messages, params: SamplingParams,
-                    cache_salt: str | None = None) -> Iterator[Generation]:
-        return iterate_sync(self.astream_chat(messages, params, cache_salt))
+    def stream_chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None,
+                    **tools: Any) -> Iterator[Generation]:
+        """``astream_chat``, synchronously."""
+        return iterate_sync(self.astream_chat(messages, params, cache_salt, **tools))
 
     def batch(self, prompts: Sequence[Prompt], params: SamplingParams,
               cache_salt: str | None = None) -> list[Generation]:

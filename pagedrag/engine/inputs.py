@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.structured.compiler import GrammarCompiler
+from pagedrag.tools import PARSERS, ToolPlan, parser_for, plan_tools, prepare_conversation, template_supports_tools
 from pagedrag.text_checks import check_int, check_utf8
 
 PromptType = str | Sequence[int] | Mapping
@@ -37,11 +38,23 @@ class ProcessedPrompt:
     cache_salt: str | None
 
 
+@dataclass(frozen=True)
+class ToolSettings:
+    """How chats with tools work for this model: the family's parser (``tool_call_parser``,
+    or detected from the chat template), and whether tool_choice "auto" is allowed."""
+
+    parser_name: str | None = None
+    auto_tool_choice: bool = True
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 eos_token_ids: list[int] = ()):
+                 eos_token_ids: list[int] = (), tools: ToolSettings = ToolSettings()):
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, vocab_size, list(eos_token_ids))  # shared by copies
+        self.tool_parser = PARSERS[tools.parser_name] if tools.parser_name else parser_for(tokenizer)
+        self.template_supports_tools = template_supports_tools(tokenizer)
+        self.auto_tool_choice = tools.auto_tool_choice
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -137,21 +150,36 @@ class InputProcessor:
 
     # ---- chats -------------------------------------------------------------------
     def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
-                    cache_salt: str | None = None, **template_kwargs) -> ProcessedPrompt:
+                    cache_salt: str | None = None, tools: ToolPlan | None = None,
+                    **template_kwargs) -> ProcessedPrompt:
         """A conversation through the model's chat template (the tokenizer's, rendered in
         Jinja's sandbox by transformers; ``template_kwargs`` may carry a caller's own
-        ``chat_template`` and ``continue_final_message``), checked like any prompt."""
-        text = self.render_chat_text(conversation, add_generation_prompt, **template_kwargs)
+        ``chat_template`` and ``continue_final_message``), with the request's ``tools``,
+        checked like any prompt."""
+        text = self.render_chat_text(conversation, add_generation_prompt, tools, **template_kwargs)
         return self.process_chat_text(text, cache_salt)
 
     def render_chat_text(self, conversation: Conversation, add_generation_prompt: bool = True,
-                         **template_kwargs) -> str:
-        """The conversation through the chat template, as text (not yet checked or tokenized)."""
-        conversation = normalize_conversation(conversation)
+                         tools: ToolPlan | None = None, **template_kwargs) -> str:
+        """The conversation through the chat template, as text (not yet checked or tokenized).
+        Past tool calls and tool results are rendered as the model's family writes them
+        (pagedrag.tools.prompting), and so are the tools when the template has no place for them."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template, and this model has none")
+        conversation, tool_kwargs = prepare_conversation(conversation, tools, self.tool_parser,
+                                                         self.template_supports_tools)
         return self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
+            normalize_conversation(conversation), tokenize=False, add_generation_prompt=add_generation_prompt,
+            **tool_kwargs, **template_kwargs)
+
+    def plan_tools(self, tools: object, tool_choice: object, parallel_tool_calls: object = True) -> ToolPlan | None:
+        """A chat request's tools and tool_choice, checked (pagedrag.tools.plan_tools); None
+        without tools. tool_choice "auto" is refused when enable_auto_tool_choice is off."""
+        plan = plan_tools(tools, tool_choice, parallel_tool_calls)
+        if plan is not None and plan.choice == "auto" and not self.auto_tool_choice:
+            raise ValueError('tool_choice "auto" needs enable_auto_tool_choice (--enable-auto-tool-choice); '
+                             'use "none", "required" or a named function')
+        return plan
 
     def process_chat_text(self, text: str, cache_salt: str | None = None) -> ProcessedPrompt:
         """A rendered chat: its special tokens are in the text, so none are added."""
@@ -200,9 +228,12 @@ def check_conversation(conversation: Conversation) -> None:
 
 
 def _normalize_message(message: object) -> dict:
-    if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+    """Content may be missing or null only in an assistant message (one that made tool calls)."""
+    if not isinstance(message, Mapping) or "role" not in message:
         raise ValueError(f"each chat message needs 'role' and 'content', got {message!r:.200}")
-    role, content = message["role"], message["content"]
+    role, content = message["role"], message.get("content")
+    if "content" not in message and role != "assistant":
+        raise ValueError(f"each chat message needs 'role' and 'content', got {message!r:.200}")
     if not isinstance(role, str):
         raise ValueError(f"a chat message's role must be a string, got {type(role).__name__}")
     if content is None and role == "assistant":

@@ -19,7 +19,7 @@ from pagedrag.config import DEFAULT_CPU_KV_FRACTION, GIB_BYTES, EngineArgs
 from pagedrag.core.block_pool import blocks_for
 from pagedrag.core.kv_cache_manager import KVCacheManager
 from pagedrag.core.scheduler import Scheduler, SchedulerOutput
-from pagedrag.engine.inputs import InputProcessor, ProcessedPrompt, PromptType
+from pagedrag.engine.inputs import InputProcessor, ProcessedPrompt, PromptType, ToolSettings
 from pagedrag.metrics import EngineMetrics
 from pagedrag.engine.stats_log import StatsLog
 from pagedrag.models.loader import load_model
@@ -59,7 +59,8 @@ class LLMEngine:
         self.eos_token_ids = set(loaded.eos_token_ids)
         self.vocab_size = loaded.hf_config.vocab_size
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs,
-                                     sorted(self.eos_token_ids))
+                                     sorted(self.eos_token_ids),
+                                     ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice))
         self.default_params = SamplingParams(**loaded.sampling_defaults)
         self.shape = CacheShape(loaded.module.num_layers, args.block_size, loaded.module.num_kv_heads,
                                 loaded.module.head_dim, self.dtype)

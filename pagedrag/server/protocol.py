@@ -5,8 +5,10 @@ repetition_penalty, ignore_eos, stop_token_ids, min_tokens, cache_salt, ...).
 Types are strict, as JSON has them: "10" is not a number and "yes" not a boolean.
 Every string must be valid UTF-8 (no lone surrogates). Unknown fields are ignored
 with a logged warning, as OpenAI-compatible servers do; known fields this server
-cannot honour (echo, logit_bias, tools, ...) are rejected rather than silently
-ignored. An explicit null means "the default".
+cannot honour (echo, suffix, the deprecated functions, ...) are rejected rather than
+silently ignored. An explicit null means "the default". Structured outputs come as
+vLLM's ``structured_outputs`` or its older ``guided_*`` fields, or (chat) OpenAI's
+``response_format``: at most one of them per request.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from pagedrag.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedrag.structured import StructuredOutputsParams
 from pagedrag.text_checks import check_utf8
 
 logger = logging.getLogger("pagedrag")
@@ -71,8 +74,10 @@ class SamplingRequest(StrictRequest):
 
     # field -> the values that mean "not used" (null is always accepted); anything else is a 400
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        name: () for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                              "structured_outputs", "guided_decoding_backend", "use_beam_search")}
+        "use_beam_search": (False,), "guided_decoding_backend": ("auto", "xgrammar")}
+    GUIDED: ClassVar[dict[str, str]] = {  # vLLM's older request fields -> StructuredOutputsParams fields
+        "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+        "guided_whitespace_pattern": "whitespace_pattern"}
 
     model: str | None = None
     n: int = 1
@@ -99,6 +104,13 @@ class SamplingRequest(StrictRequest):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None  # vLLM's: top logprobs of each prompt token
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | ...}
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # only xgrammar (or auto) is served
 
     @model_validator(mode="before")
     @classmethod
@@ -143,7 +155,27 @@ class SamplingRequest(StrictRequest):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs)
+            truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=self.structured_outputs_params())
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever one field gave it (ValueError for
+        two, or for a bad one)."""
+        given = self._constraint_sources()
+        if len(given) > 1:
+            raise ValueError(f"give one output constraint, got {sorted(given)}")
+        return StructuredOutputsParams.from_any(next(iter(given.values()), None))
+
+    def _constraint_sources(self) -> dict[str, dict]:
+        """Each field that constrains the output, as StructuredOutputsParams fields."""
+        sources = {} if self.structured_outputs is None else {"structured_outputs": self.structured_outputs}
+        for name, field in self.GUIDED.items():
+            if getattr(self, name) is not None and name != "guided_whitespace_pattern":
+                sources[name] = {field: getattr(self, name)}
+        if self.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern is an outlines option that xgrammar does not take; "
+                             "use structured_outputs.disable_any_whitespace for compact JSON")
+        return sources
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -193,6 +225,9 @@ class TextPart(StrictRequest):
 class ChatMessage(StrictRequest):
     role: Literal[ROLES]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (checked by pagedrag.tools)
+    tool_call_id: str | None = None  # a tool result's call
+    name: str | None = None
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> "ChatMessage":
@@ -205,11 +240,13 @@ class ChatMessage(StrictRequest):
 class ChatCompletionRequest(SamplingRequest):
     PREFIX: ClassVar[str] = "chatcmpl"
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **SamplingRequest.UNSUPPORTED, "tools": ([],), "functions": ([],),
-        "tool_choice": ("none",), "function_call": ("none",),
-        "response_format": ({"type": "text"},)}
+        **SamplingRequest.UNSUPPORTED, "functions": ([],), "function_call": ("none",)}
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -249,7 +286,31 @@ class ChatCompletionRequest(SamplingRequest):
 
     def conversation(self) -> list[dict]:
         """The messages as the engine takes them (pagedrag.engine.inputs joins text parts)."""
-        return [message.model_dump() for message in self.messages]
+        return [message.model_dump(exclude_none=True) for message in self.messages]
+
+    def _constraint_sources(self) -> dict[str, dict]:
+        sources = super()._constraint_sources()
+        constraint = _response_format(self.response_format)
+        if constraint is not None:
+            sources["response_format"] = constraint
+        return sources
+
+
+def _response_format(response_format: dict[str, Any] | None) -> dict | None:
+    """OpenAI's response_format as StructuredOutputsParams fields (None for text)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+        return {"json": spec["schema"]}
+    raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
 
 # ---- responses ------------------------------------------------------------------
@@ -307,9 +368,27 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallItem(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCallItem):
+    """A call in a stream: sent whole, in one delta, with its place among the choice's calls."""
+
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallItem] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -335,6 +414,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_nulls(self, handler) -> dict:

@@ -22,6 +22,7 @@ from pagedrag.server.logprobs import LogprobFormatter
 from pagedrag.server.chat_template import RequestTemplateRenderer
 from pagedrag.server.protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, SamplingRequest, Usage
 from pagedrag.server.streams import merge_streams, unless_disconnected
+from pagedrag.tools import ToolPlan
 
 
 @dataclass
@@ -135,7 +136,10 @@ class Serving:
         self.engine = engine
         self.config = config
         self.max_model_len = engine.model_info.max_model_len
-        self.tokenizer = engine.get_tokenizer()
+        inputs = engine.get_input_processor()
+        self.tokenizer = inputs.tokenizer
+        self.tool_parser = inputs.tool_parser
+        self._plan_tools = inputs.plan_tools
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.templates = RequestTemplateRenderer()
         self.special_tokens = _special_tokens(self.tokenizer)
@@ -153,9 +157,25 @@ class Serving:
                                 f"{self.config.served_model_names}", param="model", code="model_not_found")
         return requested
 
-    async def chat_prompt(self, request: ChatCompletionRequest, salt: str | None) -> ProcessedPrompt:
-        """A conversation through the model's chat template, or the request's own (only with
-        --trust-request-chat-template, in the sandboxed renderer), off the event loop."""
+    def plan_tools(self, request: ChatCompletionRequest, params: SamplingParams
+                   ) -> tuple[ToolPlan | None, SamplingParams]:
+        """The request's tools checked (400 for bad ones), and the parameters with the grammar
+        of a forced tool choice, compiled now."""
+        try:
+            plan = self._plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
+            if plan is None:
+                return None, params
+            params = plan.constrain(params)
+            self.engine.check_params(params)
+            return plan, params
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), param="tools") from error
+
+    async def chat_prompt(self, request: ChatCompletionRequest, salt: str | None,
+                          tools: ToolPlan | None = None) -> ProcessedPrompt:
+        """A conversation (with its ``tools``) through the model's chat template, or the
+        request's own (only with --trust-request-chat-template, in the sandboxed renderer),
+        off the event loop."""
         conversation = request.conversation()
         try:
             template = request.request_chat_template()
@@ -164,7 +184,10 @@ class Serving:
                 if self.config.chat_template is not None:
                     kwargs["chat_template"] = self.config.chat_template
                 return await self.engine.preprocess(lambda inputs: inputs.render_chat(
-                    conversation, request.add_generation_prompt, salt, **kwargs))
+                    conversation, request.add_generation_prompt, salt, tools, **kwargs))
+            if tools is not None:
+                raise APIError(400, "tools cannot be combined with a chat template sent with the request",
+                               param="tools")
             text = await self._render_request_template(template, request)
             return await self.engine.preprocess(lambda inputs: inputs.process_chat_text(text, salt))
         except APIError:

@@ -7,6 +7,7 @@
 from pagedrag.tools.parsers import PARSERS, ToolParser, parser_for
 from pagedrag.tools.plan import ToolCall, ToolPlan, plan_tools
 from pagedrag.tools.prompting import prepare_conversation, template_supports_tools
+from pagedrag.tools.stream import ToolCallSplitter, whole_choice
 
 __all__ = ["PARSERS", "ToolCall", "ToolParser", "ToolPlan", "parser_for", "plan_tools", "prepare_conversation",
-           "template_supports_tools"]
+           "template_supports_tools", "ToolCallSplitter", "whole_choice"]

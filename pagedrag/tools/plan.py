@@ -10,6 +10,7 @@ reads no calls.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -22,6 +23,7 @@ from pagedrag.structured.params import StructuredOutputsParams
 from pagedrag.text_checks import check_bool
 
 if TYPE_CHECKING:
+    from pagedrag.sampling_params import SamplingParams
     from pagedrag.tools.parsers import ToolParser
 
 MAX_TOOLS = 128  # OpenAI's limit on one request's tools
@@ -122,6 +124,17 @@ class ToolPlan:
         if self.choice == "required":
             return StructuredOutputsParams(json=self._calls_schema())
         return None
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with this plan's grammar (required / named); a request that already
+        constrains its output (response_format, structured_outputs) cannot also force a call."""
+        forced = self.structured_outputs()
+        if forced is None:
+            return params
+        if params.structured_outputs is not None:
+            raise ValueError(f"tool_choice {self.choice!r} shapes the output as the call's JSON; it cannot be "
+                             "combined with response_format or structured outputs")
+        return dataclasses.replace(params, structured_outputs=forced)
 
     def parse(self, text: str, parser: ToolParser) -> tuple[str | None, list[ToolCall]]:
         """The output as (content, calls). Never raises: output a forced choice cannot read

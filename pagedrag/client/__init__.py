@@ -22,10 +22,11 @@ from pagedrag.client.bridge import iterate_sync, run_sync
 from pagedrag.client.inprocess import InProcessClient, SharedEngine, engine_args, shared_engine
 from pagedrag.client.remote import RemoteClient, RemoteError
 from pagedrag.client.types import (DEFAULT_MODEL_NAME, EngineClient, EngineInfo, Generation, Messages, Prompt,
-                                   TokenLogprob)
+                                   TokenLogprob, ToolRequest)
+from pagedrag.tools import ToolCall
 
 __all__ = ["DEFAULT_MODEL_NAME", "EngineClient", "EngineInfo", "Generation", "InProcessClient", "Messages",
-           "Prompt", "RemoteClient", "RemoteError", "SharedEngine", "TokenLogprob", "check_connection", "connect",
+           "Prompt", "RemoteClient", "RemoteError", "SharedEngine", "TokenLogprob", "ToolCall", "ToolRequest", "check_connection", "connect",
            "engine_args", "iterate_sync", "run_sync", "shared_engine"]
 _ENGINE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineArgs)}
 

@@ -166,41 +166,43 @@ class EngineClient(ABC):
         """The served model's name and context window."""
 
     # ---- any prompt, async ---------------------------------------------------------------
-    async def agenerate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None) -> Generation:
-        """The whole generation of a text prompt or a conversation: all n completions."""
-        return await self._generate(_checked(prompt), params, cache_salt)
+    async def agenerate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None, *,
+                        tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+                        parallel_tool_calls: bool | None = None) -> Generation:
+        """The whole generation of a text prompt or a conversation (with its tools, see
+        ToolRequest): all n completions."""
+        return await self._generate(_checked(prompt), params, cache_salt,
+                                    ToolRequest.of(tools, tool_choice, parallel_tool_calls))
 
-    def astream(self, prompt: Prompt, params: SamplingParams,
-                cache_salt: str | None = None) -> AsyncIterator[Generation]:
-        """The one completion of a text prompt or a conversation, as it is generated."""
+    def astream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None, *,
+                tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+                parallel_tool_calls: bool | None = None) -> AsyncIterator[Generation]:
+        """The one completion of a text prompt or a conversation, as it is generated; tool
+        calls (if any) come with the last piece."""
         checked = _checked(prompt)
         check_single(params, "a stream")
-        return self._stream(checked, params, cache_salt)
+        return self._stream(checked, params, cache_salt, ToolRequest.of(tools, tool_choice, parallel_tool_calls))
 
     # ---- completion and chat, async -------------------------------------------------
     async def acomplete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None) -> Generation:
         check_single(params)
         return await self._generate(_text(prompt), params, cache_salt)
 
-    async def achat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None, *,
-                    tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-                    parallel_tool_calls: bool | None = None) -> Generation:
-        """One reply to a conversation; with ``tools`` (see ToolRequest) it may be tool calls."""
+    async def achat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None,
+                    **tools: Any) -> Generation:
+        """One reply to a conversation; with ``tools`` (tools, tool_choice, parallel_tool_calls:
+        see ToolRequest) it may be tool calls."""
         check_single(params)
-        return await self._generate(_conversation(messages), params, cache_salt,
-                                    ToolRequest.of(tools, tool_choice, parallel_tool_calls))
+        return await self.agenerate(_conversation(messages), params, cache_salt, **tools)
 
     def astream_complete(self, prompt: str, params: SamplingParams,
                          cache_salt: str | None = None) -> AsyncIterator[Generation]:
         return self.astream(_text(prompt), params, cache_salt)
 
-    def astream_chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None, *,
-                     tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-                     parallel_tool_calls: bool | None = None) -> AsyncIterator[Generation]:
+    def astream_chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None,
+                     **tools: Any) -> AsyncIterator[Generation]:
         """The reply as it is generated; tool calls (if any) come with the last piece."""
-        check_single(params, "a stream")
-        return self._stream(_conversation(messages), params, cache_salt,
-                            ToolRequest.of(tools, tool_choice, parallel_tool_calls))
+        return self.astream(_conversation(messages), params, cache_salt, **tools)
 
     async def abatch(self, prompts: Sequence[Prompt], params: SamplingParams,
                      cache_salt: str | None = None) -> list[Generation]:
@@ -216,11 +218,13 @@ class EngineClient(ABC):
             raise
 
     # ---- synchronous forms ------------------------------------------------------------
-    def generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None) -> Generation:
-        return run_sync(self.agenerate(prompt, params, cache_salt))
+    def generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None,
+                 **tools: Any) -> Generation:
+        return run_sync(self.agenerate(prompt, params, cache_salt, **tools))
 
-    def stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None) -> Iterator[Generation]:
-        return iterate_sync(self.astream(prompt, params, cache_salt))
+    def stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None,
+               **tools: Any) -> Iterator[Generation]:
+        return iterate_sync(self.astream(prompt, params, cache_salt, **tools))
 
     def complete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None) -> Generation:
         return run_sync(self.acomplete(prompt, params, cache_salt))

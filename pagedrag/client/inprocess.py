@@ -48,7 +48,8 @@ class SharedEngine:
     def engine_request(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
                        tools: ToolRequest | None) -> tuple[ProcessedPrompt, SamplingParams, ToolPlan | None]:
         """The engine's prompt and parameters for a request: a chat's tools are checked and
-        rendered, and a forced tool choice becomes the parameters' grammar."""
+        rendered, a forced tool choice becomes the parameters' grammar, and the grammar is
+        compiled here, on the caller's thread, not on the engine's."""
         with self._inputs_lock:
             if isinstance(prompt, str):
                 if tools is not None:
@@ -57,6 +58,7 @@ class SharedEngine:
             plan = None if tools is None else self.inputs.plan_tools(tools.tools, tools.tool_choice,
                                                                      tools.parallel_tool_calls)
             params = params if plan is None else plan.constrain(params)
+            self.inputs.compile_constraint(params)
             return self.inputs.render_chat(prompt, cache_salt=cache_salt, tools=plan), params, plan
 
     async def submit(self, prompt: ProcessedPrompt, params: SamplingParams) -> RequestStream:

@@ -202,8 +202,13 @@ class InputProcessor:
         if (params.stop or params.bad_words) and self.tokenizer is None:
             raise ValueError("stop strings and bad_words need a tokenizer, and this model has none; "
                              "use stop_token_ids / logit_bias")
+
+    def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile the output constraint (ValueError if it cannot be), so that the engine
+        finds it in the shared cache: for callers off the engine thread (a compile can take
+        seconds for a large schema, and xgrammar releases the GIL meanwhile)."""
         if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)  # a bad constraint fails here, cached if good
+            self.grammars.compile(params.structured_outputs)
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word as token ids, alone and after a space (as vLLM tokenizes them), so

@@ -191,6 +191,7 @@ class AsyncLLMEngine:
         inputs = self._thread_inputs()
         if params is not None:
             inputs.check_params(params)
+            inputs.compile_constraint(params)
         return inputs.process(prompt, cache_salt)
 
     def _thread_inputs(self) -> InputProcessor:

@@ -160,14 +160,12 @@ class Serving:
     def plan_tools(self, request: ChatCompletionRequest, params: SamplingParams
                    ) -> tuple[ToolPlan | None, SamplingParams]:
         """The request's tools checked (400 for bad ones), and the parameters with the grammar
-        of a forced tool choice, compiled now."""
+        of a forced tool choice."""
         try:
             plan = self._plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
             if plan is None:
                 return None, params
-            params = plan.constrain(params)
-            self.engine.check_params(params)
-            return plan, params
+            return plan, plan.constrain(params)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="tools") from error
 
@@ -238,11 +236,21 @@ class Serving:
         (400 if a prompt leaves no room for max_tokens; ClientDisconnected if the client leaves first)."""
         for prompt in prompts:
             self._check_room(len(prompt.token_ids), params.max_tokens)
+        if params.structured_outputs is not None:
+            await unless_disconnected(http_request, self._compile_constraint(params))
         streams = self.engine.generate_batch([(prompt, params) for prompt in prompts],
                                              [f"{envelope.id}-{index}" for index in range(len(prompts))])
         run = Run(merge_streams(streams), params)
         await run.prime(http_request)
         return run
+
+    async def _compile_constraint(self, params: SamplingParams) -> None:
+        """Compile the output constraint on an input thread (400 if it cannot be): never on
+        the event loop, nor on the engine thread, which then finds it cached."""
+        try:
+            await self.engine.preprocess(lambda inputs: inputs.compile_constraint(params))
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), param="structured_outputs") from error
 
     def _check_room(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """As vLLM's server: the prompt plus max_tokens must fit max_model_len."""

@@ -21,6 +21,10 @@ logger = logging.getLogger("pagedrag")
 
 MAX_SPEC_CHARS = 1 << 17  # a schema, regex or grammar as text (128 Ki characters)
 MAX_CHOICES = 1024
+# Nesting of a schema document (objects and lists): real schemas stay far below it, and
+# xgrammar's compile time grows faster than linearly with depth (an array of arrays 900
+# deep takes a minute).
+MAX_SCHEMA_DEPTH = 128
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -120,6 +124,10 @@ def _schema_text(schema: Any) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as error:
             raise ValueError(f"structured outputs: the JSON schema is not valid JSON: {error}") from None
+        except RecursionError:
+            raise ValueError(f"structured outputs: the JSON schema is nested more than {MAX_SCHEMA_DEPTH} "
+                             "levels deep") from None
+    _check_depth(schema)
     if not isinstance(schema, (Mapping, bool)):
         raise TypeError("structured outputs: json must be a JSON schema (an object), its JSON text, or a "
                         f"pydantic model class, got {type(schema).__name__}")
@@ -127,6 +135,17 @@ def _schema_text(schema: Any) -> str:
     if len(text) > MAX_SPEC_CHARS:
         raise ValueError(f"structured outputs: the JSON schema has {len(text)} characters, more than {MAX_SPEC_CHARS}")
     return text
+
+
+def _check_depth(schema: Any) -> None:
+    """Refuse a schema nested deeper than MAX_SCHEMA_DEPTH (iteratively: any depth is safe)."""
+    pending = [(schema, 1)]
+    while pending:
+        value, depth = pending.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured outputs: the JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        children = value.values() if isinstance(value, Mapping) else value if isinstance(value, list) else ()
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (Mapping, list)))
 
 
 def _choices(choice: Any) -> list[str]:

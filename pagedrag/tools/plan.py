@@ -118,11 +118,12 @@ class ToolPlan:
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The grammar that enforces the choice: for "named" the function's arguments
         object, for "required" a non-empty JSON array of ``{"name", "arguments"}`` calls
-        (at most one unless parallel); None (free text) for "auto" and "none"."""
+        (at most one unless parallel); None (free text) for "auto" and "none". The JSON is
+        compact: no reader sees it as written, and free whitespace only spends tokens."""
         if self.choice == "named":
-            return StructuredOutputsParams(json=self._parameters(self.named))
+            return StructuredOutputsParams(json=self._parameters(self.named), disable_any_whitespace=True)
         if self.choice == "required":
-            return StructuredOutputsParams(json=self._calls_schema())
+            return StructuredOutputsParams(json=self._calls_schema(), disable_any_whitespace=True)
         return None
 
     def constrain(self, params: SamplingParams) -> SamplingParams:

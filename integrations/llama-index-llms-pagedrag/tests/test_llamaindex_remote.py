@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.tools import FunctionTool
 from llama_index.llms.pagedrag import PagedRAG
 from testing_support import ENGINE_KWARGS, MAX_TOKENS
 
@@ -55,3 +56,21 @@ def test_remote_metadata_and_stats(remote):
 def test_remote_bad_input_is_a_value_error(remote):
     with pytest.raises(ValueError, match="max_model_len"):
         remote.complete("word " * (ENGINE_KWARGS["max_model_len"] + 10))
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers and return their sum."""
+    return a + b
+
+
+def test_remote_tool_calls_equal_in_process_ones(remote, llm):
+    tool = FunctionTool.from_defaults(fn=add)
+    forced = {"user_msg": "What is 2 plus 3?", "tool_required": True, "max_tokens": 48}
+
+    def calls(response) -> list[tuple[str, dict]]:
+        return [(s.tool_name, s.tool_kwargs) for s in remote.get_tool_calls_from_response(response)]
+
+    over_http = remote.chat_with_tools([tool], **forced)
+    streamed = list(remote.stream_chat_with_tools([tool], **forced))
+    assert calls(over_http) == calls(streamed[-1]) == calls(llm.chat_with_tools([tool], **forced))
+    assert over_http.message.additional_kwargs["tool_calls"][0]["function"]["name"] == "add"

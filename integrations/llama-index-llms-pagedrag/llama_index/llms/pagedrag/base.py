@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Generator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
 from llama_index.core.base.llms.types import (
@@ -17,22 +17,38 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
-    TextBlock,
 )
-from llama_index.core.bridge.pydantic import ConfigDict, Field, model_validator
+from llama_index.core.bridge.pydantic import BaseModel, ConfigDict, Field, model_validator
 from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.llm import LLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.program.utils import get_program_for_llm
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.types import BasePydanticProgram, PydanticProgramMode
 
-from pagedrag.client import Messages, Prompt
+from pagedrag.client import Prompt
 from pagedrag.rag.integration_settings import EngineSettings
+from pagedrag.sampling_params import SamplingParams
 
+from .messages import engine_messages
 from .responses import arunning_text, chat_response, completion_response, running_text
+from .tools import (
+    keep_first_call,
+    no_call_error,
+    openai_tool_choice,
+    openai_tools,
+    split_tool_kwargs,
+    tool_selections,
+)
+
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
 
 logger = logging.getLogger(__name__)
 
 
-class PagedRAG(EngineSettings, LLM):
+class PagedRAG(EngineSettings, FunctionCallingLLM):
     """A pagedrag engine as a LlamaIndex chat LLM.
 
     ``PagedRAG()`` runs the embedded SmolLM2-135M-Instruct in process;
@@ -53,6 +69,20 @@ class PagedRAG(EngineSettings, LLM):
     (with OpenAI's ``usage`` and all n ``choices``; see ``responses``); ``stats()``
     returns the engine's counters as ``pagedrag.LLM.stats()`` does. ``context_window``
     follows the engine's max_model_len unless given.
+
+    A FunctionCallingLLM (unless ``messages_to_prompt`` turns chats into text): tools go to
+    the engine as OpenAI specs, and calls come back in the message's
+    ``additional_kwargs["tool_calls"]`` in OpenAI's shape (in a stream, on the last
+    piece), so agents and memory send them back as they got them. A required or named
+    tool_choice is enforced by a grammar, so even the embedded model makes a schema-valid
+    call; structured_predict, its stream and async forms and ``as_structured_llm`` force
+    their tool that way. ``chat(messages, structured_outputs={"json": schema})`` (any
+    pagedrag.StructuredOutputsParams) constrains a plain reply instead::
+
+        response = llm.chat_with_tools([FunctionTool.from_defaults(fn=add)], user_msg="2 + 3?",
+                                       tool_required=True)
+        [call] = llm.get_tool_calls_from_response(response)   # ToolSelection: add, {"a": 2, "b": 3}
+        album = llm.structured_predict(Album, PromptTemplate("An album about {topic}."), topic="the sea")
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -96,27 +126,87 @@ class PagedRAG(EngineSettings, LLM):
         info = self.client.info()
         return LLMMetadata(context_window=self.context_window or info.max_model_len,
                            num_output=self.max_tokens or DEFAULT_NUM_OUTPUTS,
-                           is_chat_model=self.is_chat_model, model_name=info.model_name)
+                           is_chat_model=self.is_chat_model, is_function_calling_model=self._engine_renders_chats,
+                           model_name=info.model_name)
 
-    # ---- chat -------------------------------------------------------------------------
+    # ---- chat ----------------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return chat_response(self.client.generate(self._chat_prompt(messages), self.sampling(kwargs), self.cache_salt))
+        prompt, params, tools = self._chat_request(messages, kwargs)
+        return chat_response(self.client.generate(prompt, params, self.cache_salt, **tools))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        pieces = self.client.stream(self._chat_prompt(messages), self.sampling(kwargs), self.cache_salt)
+        prompt, params, tools = self._chat_request(messages, kwargs)
+        pieces = self.client.stream(prompt, params, self.cache_salt, **tools)
         return (chat_response(piece, text) for piece, text in running_text(pieces))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        generation = await self.client.agenerate(self._chat_prompt(messages), self.sampling(kwargs), self.cache_salt)
-        return chat_response(generation)
+        prompt, params, tools = self._chat_request(messages, kwargs)
+        return chat_response(await self.client.agenerate(prompt, params, self.cache_salt, **tools))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        pieces = self.client.astream(self._chat_prompt(messages), self.sampling(kwargs), self.cache_salt)
+        prompt, params, tools = self._chat_request(messages, kwargs)
+        pieces = self.client.astream(prompt, params, self.cache_salt, **tools)
         return (chat_response(piece, text) async for piece, text in arunning_text(pieces))
+
+    # ---- function calling ------------------------------------------------------------------
+    def _prepare_chat_with_tools(self, tools: Sequence[BaseTool], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 tool_choice: str | dict | None = None, strict: bool | None = None,
+                                 **kwargs: Any) -> dict[str, Any]:
+        """chat()'s keywords: the history, then ``user_msg``; the tools as OpenAI specs;
+        ``tool_choice`` a tool's name or OpenAI's form (None: "required" when
+        ``tool_required``, else "auto"); parallel calls only when allowed. Without tools, a
+        plain chat. ``chat_history`` is not changed."""
+        if isinstance(user_msg, str):
+            user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
+        messages = [*(chat_history or []), *([user_msg] if user_msg else [])]
+        specs = openai_tools(tools, strict)
+        if not specs:
+            return {"messages": messages, **kwargs}
+        return {"messages": messages, "tools": specs, "tool_choice": openai_tool_choice(tool_choice, tool_required),
+                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+
+    def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[BaseTool],
+                                           allow_parallel_tool_calls: bool = False, **kwargs: Any) -> ChatResponse:
+        """The response, trimmed to its first call unless parallel calls are allowed."""
+        return response if allow_parallel_tool_calls else keep_first_call(response)
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        """The response's calls (``message.additional_kwargs["tool_calls"]``) as
+        ToolSelections, arguments decoded; none is a ValueError saying why, unless
+        ``error_on_no_tool_call`` is False."""
+        selections = tool_selections(response)
+        if not selections and error_on_no_tool_call:
+            raise no_call_error(response)
+        return selections
+
+    # ---- structured outputs ------------------------------------------------------------------
+    def _structured_stream_call(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+                                llm_kwargs: dict[str, Any] | None = None,
+                                **prompt_args: Any) -> Generator[Any, None, None]:
+        return self._structured_program(output_cls, prompt).stream_call(llm_kwargs=llm_kwargs, **prompt_args)
+
+    async def _structured_astream_call(self, output_cls: type[BaseModel], prompt: BasePromptTemplate,
+                                       llm_kwargs: dict[str, Any] | None = None,
+                                       **prompt_args: Any) -> AsyncGenerator[Any, None]:
+        program = self._structured_program(output_cls, prompt)
+        return await program.astream_call(llm_kwargs=llm_kwargs, **prompt_args)
+
+    def _structured_program(self, output_cls: type[BaseModel], prompt: BasePromptTemplate) -> BasePydanticProgram:
+        """LlamaIndex's program for ``pydantic_program_mode``; when it is a function-calling
+        one, its tool is forced in streams too (LlamaIndex forces it in structured_predict
+        only, and left to "auto" a small model mostly answers in prose)."""
+        mode = self.pydantic_program_mode
+        function_calling = mode == PydanticProgramMode.FUNCTION or (
+            mode == PydanticProgramMode.DEFAULT and self._engine_renders_chats)
+        forced = {"tool_choice": "required"} if function_calling else {}
+        return get_program_for_llm(output_cls, prompt, self, pydantic_program_mode=mode, **forced)
 
     # ---- completion -----------------------------------------------------------------------
     @llm_completion_callback()
@@ -148,21 +238,20 @@ class PagedRAG(EngineSettings, LLM):
             raise TypeError(f"a completion prompt must be a string, got {type(prompt).__name__}")
         return prompt if formatted else self.completion_to_prompt(prompt)
 
+    @property
+    def _engine_renders_chats(self) -> bool:
+        """Whether chats reach the engine as messages, which the model's chat template
+        renders with their tools, rather than as the text a given ``messages_to_prompt``
+        makes (Vllm's way; then there is no function calling)."""
+        return self.messages_to_prompt is generic_messages_to_prompt
+
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> Prompt:
-        """The conversation, rendered by the model's chat template on the engine's side; or,
-        when a ``messages_to_prompt`` was given (Vllm's way), the text it makes."""
-        if self.messages_to_prompt is not generic_messages_to_prompt:
-            return self.messages_to_prompt(messages)
-        return engine_messages(messages)
+        """The conversation as engine messages, or the text ``messages_to_prompt`` makes."""
+        return engine_messages(messages) if self._engine_renders_chats else self.messages_to_prompt(messages)
 
-
-def engine_messages(messages: Sequence[ChatMessage]) -> Messages:
-    """LlamaIndex messages as ``{"role", "content"}`` dicts; text blocks only."""
-    converted = []
-    for index, message in enumerate(messages):
-        for block in message.blocks:
-            if not isinstance(block, TextBlock):
-                raise TypeError(f"messages[{index}] holds a {type(block).__name__}; PagedRAG takes text only")
-        role = message.role.value if isinstance(message.role, MessageRole) else str(message.role)
-        converted.append({"role": role, "content": message.content or ""})
-    return converted
+    def _chat_request(self, messages: Sequence[ChatMessage],
+                      kwargs: dict[str, Any]) -> tuple[Prompt, SamplingParams, dict[str, Any]]:
+        """(prompt, sampling params, tool request) of a chat call: its keywords are the
+        tool request's (tools, tool_choice, parallel_tool_calls) or SamplingParams'."""
+        tools, sampling = split_tool_kwargs(kwargs)
+        return self._chat_prompt(messages), self.sampling(sampling), tools

@@ -12,7 +12,8 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 from pagedrag.rag.canonical import Chunk
 from pagedrag.rag.ordering import ChunkOrder, canonical_items, check_cache_aware
 
-from .base import PagedRAG, engine_messages
+from .base import PagedRAG
+from .messages import engine_messages
 from .templates import PAGEDRAG_QA_TEMPLATE
 
 

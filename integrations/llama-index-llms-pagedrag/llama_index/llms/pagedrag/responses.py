@@ -6,7 +6,8 @@ completion_tokens, cached_tokens, cache_hit_rate) and in ``raw`` next to OpenAI'
 ``usage`` object (prompt_tokens, completion_tokens, total_tokens,
 prompt_tokens_details.cached_tokens), which LlamaIndex's TokenCountingHandler reads.
 ``raw["choices"]`` holds every one of the n completions; the response's text is the first.
-Earlier pieces of a stream carry no counts (raw None, additional_kwargs empty).
+Earlier pieces of a stream carry no counts (raw None, additional_kwargs empty). Tool calls
+are the message's (``message.additional_kwargs["tool_calls"]``), never the response's.
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ def completion_response(generation: Generation, text: str | None = None) -> Comp
 
 
 def chat_response(generation: Generation, text: str | None = None) -> ChatResponse:
-    """A whole chat reply (``text`` None), or a stream piece with the ``text`` so far."""
-    message = ChatMessage(role=MessageRole.ASSISTANT, content=generation.text if text is None else text)
+    """A whole chat reply (``text`` None), or a stream piece with the ``text`` so far; the
+    generation's tool calls (a stream's come with its last piece) in the message's
+    ``additional_kwargs["tool_calls"]``, as OpenAI's chat API writes them."""
+    calls = [call.to_openai() for call in generation.tool_calls]
+    message = ChatMessage(role=MessageRole.ASSISTANT, content=generation.text if text is None else text,
+                          additional_kwargs={"tool_calls": calls} if calls else {})
     return ChatResponse(message=message, delta=None if text is None else generation.text, **_details(generation))
 
 

@@ -51,14 +51,17 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat
         template or ``chat_template``; ``continue_final_message`` extends the last message
-        instead of opening a new one (then add_generation_prompt must be False)."""
+        instead of opening a new one (then add_generation_prompt must be False). ``tools``
+        (OpenAI's format) are rendered into the prompt, as vLLM's LLM.chat does; the replies
+        are text (the server and the clients read tool calls out of it)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        kwargs = {**(chat_template_kwargs or {}), "continue_final_message": continue_final_message}
+        kwargs = {**(chat_template_kwargs or {}), "continue_final_message": continue_final_message,
+                  "tools": self.llm_engine.inputs.plan_tools(tools, "none")}  # rendered, never parsed
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
         prompts = [self.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]

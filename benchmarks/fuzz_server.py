@@ -209,6 +209,13 @@ def _template(template: str) -> dict:
     return _chat(chat_template_kwargs={"chat_template": template})
 
 
+def _deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 HUGE_TEMPLATE = "{{ 'A ' * 3000000 }}"
 NESTED_LOOP_TEMPLATE = "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}"
 BAD, REFUSED, TOO_LARGE = frozenset({400}), frozenset({400, 404}), frozenset({413})
@@ -243,6 +250,23 @@ HOSTILE_CASES = (
     HostileCase("prompt=bools", COMPLETIONS, _hello(prompt=[True, False]), BAD),
     HostileCase("chat_role=unknown", CHAT, _chat(role="wizard"), BAD),
     HostileCase("chat_user_content=null", CHAT, _chat(content=None), BAD),
+    HostileCase("guided_json=array_300_deep", CHAT, lambda: _chat(guided_json=_deep_schema(300)), BAD,
+                max_seconds=QUICK_S),
+    HostileCase("guided_json=not_a_schema", CHAT, _chat(guided_json={"type": "frobnicate"}), BAD),
+    HostileCase("guided_regex=unclosed", COMPLETIONS, _hello(guided_regex="(a"), BAD),
+    HostileCase("guided_grammar=undefined_rule", COMPLETIONS, _hello(guided_grammar="root ::= nope"), BAD),
+    HostileCase("guided_choice=empty", COMPLETIONS, _hello(guided_choice=[]), BAD),
+    HostileCase("response_format=yaml", CHAT, _chat(response_format={"type": "yaml"}), BAD),
+    HostileCase("structured_outputs=two_kinds", CHAT, _chat(structured_outputs={"regex": "a", "choice": ["b"]}), BAD),
+    HostileCase("tools=garbage", CHAT, _chat(tools=[{"type": "function", "function": {"name": "a b"}}]), BAD),
+    HostileCase("tool_choice=unknown_function", CHAT,
+                _chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                      tool_choice={"type": "function", "function": {"name": "g"}}), BAD),
+    HostileCase("tool_calls=garbage", CHAT,
+                {"messages": [{"role": "assistant", "tool_calls": [{"oops": 1}]}], "max_tokens": 5}, BAD),
+    HostileCase("tool_choice=required,n=3", CHAT,
+                _chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required", n=3,
+                      max_tokens=40), CLEAN),
 )
 HOSTILE_BY_NAME = {case.name: case for case in HOSTILE_CASES}
 

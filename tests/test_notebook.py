@@ -81,6 +81,10 @@ def test_notebook_runs_and_canonical_order_raises_the_hit_rate(build_notebook, t
     assert batch["caching off"]["hit_rate"] == 0 < batch["canonical (stable)"]["hit_rate"]
     assert all(0 < b["peak_blocks"] <= b["num_blocks"] for b in batch.values())
 
+    structured = results["structured"]  # validated in the notebook; here: both frameworks, real chunk ids
+    assert sorted({reply["framework"] for reply in structured}) == sorted(FRAMEWORKS) and len(structured) == 6
+    assert all(reply["answer"] and reply["cited_chunk_ids"] for reply in structured)
+
     explained = results["explain"]
     assert explained["cause"] == "timestamp"
     assert explained["broken_cached_tokens"] <= 32 < explained["fixed_cached_tokens"]

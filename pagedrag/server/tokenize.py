@@ -44,7 +44,10 @@ async def tokenize(body: TokenizeRequest, http_request: Request) -> JSONResponse
     serving.resolve_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
-    token_ids = await serving.engine.preprocess(lambda inputs: _token_ids(inputs, body))
+    try:
+        token_ids = await serving.engine.preprocess(lambda inputs: _token_ids(inputs, body))
+    except (ValueError, TypeError) as error:  # a conversation the chat template cannot take
+        raise APIError(400, str(error), param="messages") from error
     answer: dict[str, Any] = {"count": len(token_ids), "max_model_len": serving.max_model_len, "tokens": token_ids}
     if body.return_token_strs:
         answer["token_strs"] = serving.tokenizer.convert_ids_to_tokens(token_ids)

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from pagedrag.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedrag.structured import StructuredOutputsParams
+from pagedrag.structured.params import response_format_fields
 from pagedrag.text_checks import check_utf8
 
 logger = logging.getLogger("pagedrag")
@@ -290,27 +291,10 @@ class ChatCompletionRequest(SamplingRequest):
 
     def _constraint_sources(self) -> dict[str, dict]:
         sources = super()._constraint_sources()
-        constraint = _response_format(self.response_format)
+        constraint = response_format_fields(self.response_format)
         if constraint is not None:
             sources["response_format"] = constraint
         return sources
-
-
-def _response_format(response_format: dict[str, Any] | None) -> dict | None:
-    """OpenAI's response_format as StructuredOutputsParams fields (None for text)."""
-    if response_format is None:
-        return None
-    kind = response_format.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
-            raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
-        return {"json": spec["schema"]}
-    raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
 
 # ---- responses ------------------------------------------------------------------

@@ -22,6 +22,7 @@ CACHE_ENTRIES = 512  # compiled grammars kept, least recently used first out
 # characters in a row: enough for pretty-printed JSON nested eight deep, and small models
 # can no longer fill max_tokens with newlines.
 MAX_JSON_WHITESPACE = 16
+ANY_OBJECT = '{"type": "object"}'
 
 
 class GrammarCompiler:
@@ -69,8 +70,8 @@ class GrammarCompiler:
             if kind == "json":
                 return compiler.compile_json_schema(params.json, any_whitespace=not params.disable_any_whitespace,
                                                     max_whitespace_cnt=MAX_JSON_WHITESPACE)
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if kind == "json_object":  # an object, as OpenAI and vLLM mean it (not any JSON value)
+                return compiler.compile_json_schema(ANY_OBJECT, max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":

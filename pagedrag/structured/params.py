@@ -110,6 +110,28 @@ class StructuredOutputsParams:
 GuidedDecodingParams = StructuredOutputsParams
 
 
+def response_format_fields(response_format: Mapping | None) -> dict | None:
+    """OpenAI's ``response_format`` as StructuredOutputsParams fields: {"type": "json_object"}
+    -> json_object, {"type": "json_schema", "json_schema": {"schema": ...}} -> json; None for
+    {"type": "text"} or no response_format. ValueError for anything else."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise TypeError(f"response_format must be an object such as {{'type': 'json_object'}}, "
+                        f"got {type(response_format).__name__}")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), (Mapping, bool)):
+            raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+        return {"json": spec["schema"]}
+    raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+
+
 def _schema_text(schema: Any) -> str:
     """A JSON schema as JSON text. Key order is kept: xgrammar writes an object's
     properties in the order its schema lists them."""

@@ -14,10 +14,12 @@ from pagedrag.client import DEFAULT_MODEL_NAME, Generation
 from pagedrag.rag import aliases
 from pagedrag.rag.integration_settings import SAMPLING_SETTINGS, EngineSettings
 from pagedrag.sampling_params import SamplingParams
+from pagedrag.structured.params import response_format_fields
 
 API_KEY_ENV, BASE_URL_ENV = "PAGEDRAG_API_KEY", "PAGEDRAG_BASE_URL"
 # Call keywords LangChain itself decides on (whether to stream, usage in a stream): not sampling
 _CALL_ONLY = ("stream", "stream_usage")
+_CONSTRAINTS = ("structured_outputs", "guided_decoding")  # SamplingParams fields that shape a reply too
 
 
 class LangChainSettings(EngineSettings):
@@ -106,12 +108,14 @@ class LangChainSettings(EngineSettings):
 
     def call_sampling(self, kwargs: dict[str, Any], stop: list[str] | None) -> SamplingParams:
         """The sampling of one call: ChatOpenAI's per-call keywords (``logprobs`` /
-        ``top_logprobs`` included) over the instance's settings; ``stream`` and
-        ``stream_usage`` are LangChain's own and take no part."""
+        ``top_logprobs`` and ``response_format`` included) over the instance's settings;
+        ``stream`` and ``stream_usage`` are LangChain's own and take no part."""
         call = {name: value for name, value in kwargs.items() if name not in _CALL_ONLY}
         if "logprobs" in call or "top_logprobs" in call:
             call["logprobs"] = aliases.openai_logprobs(call.pop("logprobs", self.logprobs),
                                                        call.pop("top_logprobs", self.top_logprobs))
+        if "response_format" in call:
+            call = _with_response_format(call)
         return self.sampling(call, stop)
 
     def wants_stream_usage(self, kwargs: dict[str, Any]) -> bool:
@@ -124,6 +128,21 @@ class LangChainSettings(EngineSettings):
         model = overrides.get("model")
         params["ls_model_name"] = model if isinstance(model, str) else self.model_label
         return params
+
+
+def _with_response_format(call: dict[str, Any]) -> dict[str, Any]:
+    """Call keywords with OpenAI's ``response_format`` ({"type": "json_schema", "json_schema":
+    {"schema": ...}}, {"type": "json_object"} or {"type": "text"}) turned into the
+    ``structured_outputs`` it stands for, as ``pagedrag serve`` reads it; "text" constrains
+    nothing. A call that also constrains its output another way is a ValueError."""
+    call = dict(call)
+    constraint = response_format_fields(call.pop("response_format"))
+    if constraint is None:
+        return call
+    given = [name for name in _CONSTRAINTS if call.get(name) is not None]
+    if given:
+        raise ValueError(f"response_format and {given[0]} both constrain the output; give one")
+    return {**call, "structured_outputs": constraint}
 
 
 def generation_info(choice: Generation, whole: Generation, model_label: str) -> dict[str, Any]:

@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.prompt_values import PromptValue
-from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from pagedrag.client import Generation, Messages, run_sync
+from pagedrag.sampling_params import SamplingParams
 
 from ._engine import LangChainSettings, generation_info, openai_logprobs
+from ._structured import METHODS, content_parser, json_schema_format, tool_parser, with_raw
+from ._tool_calls import TOOL_KEYWORDS, message_tool_calls, openai_tool_calls, stream_tool_call_chunks, tool_request
 
-_ROLES = {"system": "system", "human": "user", "ai": "assistant", "tool": "tool", "function": "function"}
+# Message classes (and their chunks, subclasses) and the roles they send as
+_ROLES = ((SystemMessage, "system"), (HumanMessage, "user"), (AIMessage, "assistant"), (ToolMessage, "tool"),
+          (FunctionMessage, "function"))
+# Content blocks that restate one of an AIMessage's tool_calls (Anthropic's, LangChain v1's)
+_CALL_BLOCKS = ("tool_use", "tool_call")
 
 
 class ChatPagedRAG(LangChainSettings, BaseChatModel):
@@ -34,8 +52,16 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
     completion_tokens, cached_tokens, cache_hit_rate, model_name; ``logprobs`` when asked
     for). With n > 1, ``generate`` returns n generations per input (``invoke`` the first).
     ``batch`` submits every input before collecting any, so the engine runs them as one
-    batch. Decoding is greedy unless ``temperature`` says otherwise. Tool calling and
-    structured output are not supported.
+    batch. Decoding is greedy unless ``temperature`` says otherwise.
+
+    Tool calling and structured output as ChatOpenAI has them: ``bind_tools`` (replies carry
+    ``tool_calls``, streams ``tool_call_chunks`` on their last chunk, finish_reason
+    "tool_calls"; AIMessages with calls and ToolMessages go back to the model) and
+    ``with_structured_output`` (methods "json_schema", "function_calling", "json_mode").
+    A forced tool choice ("required", "any", a tool's name) and a schema are enforced by a
+    grammar in the engine, so even a small model replies with a call or JSON of the right
+    shape (cut short only by ``max_tokens``). Per call, ``response_format`` (OpenAI's) or
+    ``structured_outputs`` (pagedrag.StructuredOutputsParams or its fields) constrain a reply.
     """
 
     @property
@@ -52,22 +78,75 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
         batch would invoke each input on a thread of its own)."""
         return run_sync(self.abatch(inputs, config, return_exceptions=return_exceptions, **kwargs))
 
+    # ---- tools and structured output ----------------------------------------------------
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+                   tool_choice: str | bool | dict | None = None, parallel_tool_calls: bool | None = None,
+                   strict: bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """This model with ``tools`` offered on every call.
+
+        ``tools``: whatever convert_to_openai_tool takes (pydantic classes, TypedDicts,
+        functions, BaseTools, JSON schemas or OpenAI tools), with ``strict`` set on each
+        function when given. ``tool_choice``: "auto" (or None: the model decides), "none",
+        "required" / "any" / True (at least one call; "any" and True with one tool bound:
+        exactly one, unless ``parallel_tool_calls=True``), a bound tool's name or OpenAI's
+        ``{"type": "function", "function": {"name": ...}}`` (exactly that call).
+        ``parallel_tool_calls=False``: at most one call. Other ``kwargs`` are bound as call
+        keywords too.
+        """
+        formatted = [convert_to_openai_tool(tool, strict=strict) for tool in tools]
+        names = [tool["function"]["name"] for tool in formatted]
+        return super().bind(tools=formatted, **tool_request(tool_choice, parallel_tool_calls, names), **kwargs)
+
+    def with_structured_output(self, schema: dict[str, Any] | type | None = None, *,
+                               method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+                               include_raw: bool = False, strict: bool | None = None,
+                               **kwargs: Any) -> Runnable[LanguageModelInput, dict | Any]:
+        """This model replying in ``schema``'s shape, parsed: a pydantic class gives its
+        instances, a TypedDict, JSON schema or OpenAI tool dicts.
+
+        ``method``: "json_schema" constrains the content to the schema (the default);
+        "function_calling" forces one call of the schema as a tool and reads its arguments;
+        "json_mode" constrains the content to some JSON object (the prompt must say which;
+        ``schema`` may then be None). ``strict`` (not with json_mode) forbids properties the
+        schema does not name. ``include_raw=True`` returns ``{"raw", "parsed",
+        "parsing_error"}`` instead of raising when the reply does not parse. Other
+        ``kwargs`` are bound as call keywords.
+        """
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if method == "json_mode" and strict is not None:
+            raise ValueError("strict does not apply to method='json_mode' (any JSON object)")
+        if schema is None and method != "json_mode":
+            raise ValueError(f"method={method!r} needs a schema")
+        trace = {"ls_structured_output_format": {"kwargs": {"method": method, "strict": strict}, "schema": schema}}
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, strict=strict,
+                                  **trace, **kwargs)
+            parser = tool_parser(schema, name)
+        else:
+            response_format = {"type": "json_object"} if method == "json_mode" else json_schema_format(schema, strict)
+            llm = self.bind(response_format=response_format, **trace, **kwargs)
+            parser = content_parser(schema)
+        return with_raw(llm, parser) if include_raw else llm | parser
+
     # ---- generation -----------------------------------------------------------------------
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        params = self.call_sampling(kwargs, stop)
-        return self._result(self.client.generate(engine_messages(messages), params, self.cache_salt))
+        params, tools = self._call_options(kwargs, stop)
+        return self._result(self.client.generate(engine_messages(messages), params, self.cache_salt, **tools))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        params = self.call_sampling(kwargs, stop)
-        return self._result(await self.client.agenerate(engine_messages(messages), params, self.cache_salt))
+        params, tools = self._call_options(kwargs, stop)
+        return self._result(await self.client.agenerate(engine_messages(messages), params, self.cache_salt,
+                                                        **tools))
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        params, usage = self.call_sampling(kwargs, stop), self.wants_stream_usage(kwargs)
-        for piece in self.client.stream(engine_messages(messages), params, self.cache_salt):
+        (params, tools), usage = self._call_options(kwargs, stop), self.wants_stream_usage(kwargs)
+        for piece in self.client.stream(engine_messages(messages), params, self.cache_salt, **tools):
             chunk = self._chunk(piece, usage)
             if run_manager:
                 run_manager.on_llm_new_token(piece.text, chunk=chunk)
@@ -76,12 +155,19 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        params, usage = self.call_sampling(kwargs, stop), self.wants_stream_usage(kwargs)
-        async for piece in self.client.astream(engine_messages(messages), params, self.cache_salt):
+        (params, tools), usage = self._call_options(kwargs, stop), self.wants_stream_usage(kwargs)
+        async for piece in self.client.astream(engine_messages(messages), params, self.cache_salt, **tools):
             chunk = self._chunk(piece, usage)
             if run_manager:
                 await run_manager.on_llm_new_token(piece.text, chunk=chunk)
             yield chunk
+
+    def _call_options(self, kwargs: dict[str, Any], stop: list[str] | None) -> tuple[SamplingParams, dict[str, Any]]:
+        """A call's sampling (call_sampling) and its tool keywords, which the engine client
+        takes apart from the sampling."""
+        tools = {name: value for name, value in kwargs.items() if name in TOOL_KEYWORDS}
+        sampling = {name: value for name, value in kwargs.items() if name not in TOOL_KEYWORDS}
+        return self.call_sampling(sampling, stop), tools
 
     def engine_prompt(self, prompt: PromptValue) -> Messages:
         """A rendered prompt as this model sends it: its messages."""
@@ -92,19 +178,22 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
         generations = []
         for choice in whole.choices:
             info = generation_info(choice, whole, self.model_label)
-            message = AIMessage(content=choice.text, usage_metadata=_usage(whole), response_metadata=info)
+            message = AIMessage(content=choice.text, usage_metadata=_usage(whole), response_metadata=info,
+                                **message_tool_calls(choice.tool_calls))
             generations.append(ChatGeneration(message=message, generation_info=info))
         return ChatResult(generations=generations, llm_output={"model_name": self.model_label})
 
     def _chunk(self, piece: Generation, with_usage: bool) -> ChatGenerationChunk:
         """A stream chunk (its logprobs in response_metadata, when asked for); the last one
-        carries the response metadata, and the usage unless ``with_usage`` is false."""
+        carries the response metadata, the tool calls (whole, one tool_call_chunk each) and
+        the usage unless ``with_usage`` is false."""
         if piece.finish_reason is None:
             metadata = {} if piece.logprobs is None else {"logprobs": openai_logprobs(piece)}
             return ChatGenerationChunk(message=AIMessageChunk(content=piece.text, response_metadata=metadata))
         info = generation_info(piece, piece, self.model_label)
         message = AIMessageChunk(content=piece.text, usage_metadata=_usage(piece) if with_usage else None,
-                                 response_metadata=info, chunk_position="last")
+                                 response_metadata=info, tool_call_chunks=stream_tool_call_chunks(piece.tool_calls),
+                                 chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info=info)
 
 
@@ -115,21 +204,36 @@ def _usage(generation: Generation) -> UsageMetadata:
 
 
 def engine_messages(messages: Sequence[BaseMessage]) -> Messages:
-    """LangChain messages as ``{"role", "content"}`` dicts; text content only."""
-    return [{"role": _role(message), "content": _text(message.content, index)}
-            for index, message in enumerate(messages)]
+    """LangChain messages as the engine's OpenAI-style dicts ``{"role", "content"}``, text
+    content only; an AIMessage that made calls also has ``tool_calls`` (its content None
+    when it has no text), a ToolMessage its ``tool_call_id``."""
+    return [_engine_message(message, index) for index, message in enumerate(messages)]
+
+
+def _engine_message(message: BaseMessage, index: int) -> dict[str, Any]:
+    if isinstance(message, AIMessage) and (message.tool_calls or message.invalid_tool_calls):
+        calls = openai_tool_calls(message)
+        text = _text(message.content, index, restated={call["id"] for call in calls})
+        return {"role": "assistant", "content": text or None, "tool_calls": calls}
+    converted = {"role": _role(message), "content": _text(message.content, index)}
+    if isinstance(message, ToolMessage):
+        converted["tool_call_id"] = message.tool_call_id
+    return converted
 
 
 def _role(message: BaseMessage) -> str:
     if isinstance(message, ChatMessage):
         return message.role
-    if message.type not in _ROLES:
+    role = next((role for kind, role in _ROLES if isinstance(message, kind)), None)
+    if role is None:
         raise ValueError(f"ChatPagedRAG cannot send a {message.type!r} message")
-    return _ROLES[message.type]
+    return role
 
 
-def _text(content: Any, index: int) -> str:
-    """A message's content as text: a string, or a list of strings and text blocks."""
+def _text(content: Any, index: int, restated: Collection[str] = ()) -> str:
+    """A message's content as text: a string, or a list of strings and text blocks; blocks
+    that restate the message's own tool calls (ids in ``restated``) are left to its
+    ``tool_calls``."""
     if isinstance(content, str):
         return content
     parts = []
@@ -138,7 +242,7 @@ def _text(content: Any, index: int) -> str:
             parts.append(block)
         elif isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
             parts.append(block["text"])
-        else:
+        elif not (isinstance(block, dict) and block.get("type") in _CALL_BLOCKS and block.get("id") in restated):
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise TypeError(f"messages[{index}] holds a {kind!r} block; ChatPagedRAG takes text only")
     return "\n".join(parts)

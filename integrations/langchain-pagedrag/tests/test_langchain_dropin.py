@@ -127,8 +127,8 @@ def test_what_pagedrag_cannot_honour_is_refused(chat):
         ChatPagedRAG(model_kwargs={"min_p": 0.1}, extra_body={"min_p": 0.2})
     with pytest.raises(ValidationError, match="configure an in-process engine"):
         ChatPagedRAG(base_url="http://127.0.0.1:9", num_ctx=512)
-    with pytest.raises(TypeError, match=r"\['response_format'\]"):
-        chat.invoke(QUESTION, response_format={"type": "json_object"})
+    with pytest.raises(TypeError, match=r"\['functions'\]"):  # ChatOpenAI's deprecated keyword: use tools
+        chat.invoke(QUESTION, functions=[])
     with pytest.raises(ValueError, match="n must be 1"):
         list(chat.stream(QUESTION, n=2))
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_core.tools import tool
 from langchain_pagedrag import ChatPagedRAG, PagedRAGLLM
+from pydantic import BaseModel, Field
 from testing_support import ENGINE_KWARGS, MAX_TOKENS
 
 MESSAGES = [SystemMessage("You answer in one short sentence."), HumanMessage("What is the capital of France?")]
@@ -38,6 +40,31 @@ def test_remote_stream_batch_and_async(remote):
 async def test_remote_async_forms(remote):
     reply = await remote.ainvoke(MESSAGES)
     assert "".join([c.content async for c in remote.astream(MESSAGES)]) == reply.content
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+class City(BaseModel):
+    """A city the text names."""
+
+    name: str = Field(max_length=20)
+
+
+def test_remote_tool_calls_and_structured_output(server):
+    """Tools reach the server and calls come back, whole or streamed; a schema reaches it
+    as structured_outputs."""
+    remote = ChatPagedRAG(base_url=server, max_tokens=32)
+    forced = remote.bind_tools([add], tool_choice="add")
+    reply = forced.invoke("What is 2 plus 3?")
+    assert reply.response_metadata["finish_reason"] == "tool_calls" and reply.tool_calls[0]["name"] == "add"
+    assert set(reply.tool_calls[0]["args"]) == {"a", "b"}
+    chunks = list(forced.stream("What is 2 plus 3?"))
+    assert sum(chunks[1:], chunks[0]).tool_calls[0]["args"] == reply.tool_calls[0]["args"]
+    assert isinstance(remote.with_structured_output(City).invoke("I live in Paris."), City)
 
 
 def test_remote_completion_model(server):

@@ -8,7 +8,8 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 
 class TestChatPagedRAGStandard(ChatModelUnitTests):
-    """The suite as published; test_serdes is expected to fail for the reason it gives."""
+    """The suite as published (tool calling and structured output detected from bind_tools and
+    with_structured_output); test_serdes is expected to fail for the reason it gives."""
 
     @pytest.mark.xfail(strict=True, reason=(
         "load(allowed_objects='all') revives only classes on langchain-core's built-in allowlist "
@@ -16,6 +17,7 @@ class TestChatPagedRAGStandard(ChatModelUnitTests):
         "allowed_objects=[ChatPagedRAG] passes (test_langchain_dropin.py)"))
     def test_serdes(self, model, snapshot) -> None:
         super().test_serdes(model, snapshot)
+
     @property
     def chat_model_class(self) -> type[ChatPagedRAG]:
         return ChatPagedRAG
@@ -28,14 +30,3 @@ class TestChatPagedRAGStandard(ChatModelUnitTests):
     def init_from_env_params(self) -> tuple[dict, dict, dict]:
         return ({"PAGEDRAG_BASE_URL": "http://127.0.0.1:8000", "PAGEDRAG_API_KEY": "secret"}, {},
                 {"base_url": "http://127.0.0.1:8000", "api_key": "secret"})
-
-    @property
-    def has_tool_calling(self) -> bool:
-        """Not applicable: ChatPagedRAG does not implement tool calling (the server refuses
-        `tools` too), so the tool-binding tests have nothing to bind."""
-        return False
-
-    @property
-    def has_structured_output(self) -> bool:
-        """Not applicable: no tool calling, JSON mode or schema-guided decoding to build it on."""
-        return False

@@ -56,6 +56,10 @@ class EngineArgs:
     max_num_seqs: int = _arg(256, "most sequences in one running batch (and the largest n per request)")
     max_num_batched_tokens: int | None = _arg(None, "token budget of one step (default 2048 on CPU, 8192 on CUDA)")
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of prompts that share a prefix")
+    enable_chunk_reuse: bool = _arg(False, "reuse a retrieved chunk's KV wherever it lands in a prompt given as "
+                                          "prompt_segments (approximate: see the README's tuning guide)")
+    chunk_recompute_fraction: float = _arg(0.15, "with enable_chunk_reuse: share of each reused chunk's tokens "
+                                                 "(its first ones) computed again with the full context")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps so decodes keep running")
     preemption_mode: str = _arg("recompute", "what a full pool does to the newest request: recompute "
                                              "(free its blocks) or swap (copy them to CPU memory)")
@@ -92,6 +96,10 @@ class EngineArgs:
              f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"),
             (self.preemption_mode in PREEMPTION_MODES,
              f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"),
+            (0 <= self.chunk_recompute_fraction <= 1,
+             f"chunk_recompute_fraction must be in [0, 1], got {self.chunk_recompute_fraction}"),
+            (self.enable_prefix_caching or not self.enable_chunk_reuse,
+             "enable_chunk_reuse needs enable_prefix_caching: reused chunks live in the prefix cache's pool"),
             (self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}"),
             (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
              f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}"),

@@ -17,6 +17,16 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+# Prompt tokens, counted on each request's first scheduling:
+# prefix_cache_queries = prefix_cache_hits + chunk_cache_hits + prompt_tokens_computed.
+CACHE_COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens served from the prefix cache.",
+    "chunk_cache_hits": "Prompt tokens whose KV came from the chunk cache (chunk reuse) and was kept.",
+    "chunk_tokens_recomputed": "Tokens of reused chunks computed again with the full context.",
+    "prompt_tokens_computed": "Prompt tokens the model computed: fresh plus recomputed.",
+}
+
 
 class EngineMetrics:
     """Every series the engine exports; the engine updates them as it steps."""
@@ -33,8 +43,8 @@ class EngineMetrics:
         self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.swapped = self._gauge("num_requests_swapped", "Requests swapped out to CPU memory.")
         self.preemptions = self._counter("num_preemptions", "Preemptions of running requests.")
-        self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self._cache_counters = {name: self._counter(name, doc) for name, doc in CACHE_COUNTERS.items()}
+        self._reported = dict.fromkeys(CACHE_COUNTERS, 0)
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of requests admitted.")
         self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
@@ -48,7 +58,6 @@ class EngineMetrics:
                                             _REQUEST_BUCKETS)
         self.decode_time = self._histogram("request_decode_time_seconds", "First token to finish.",
                                            _REQUEST_BUCKETS)
-        self._reported_queries = self._reported_hits = 0
         self.num_prompt_tokens = self.num_generation_tokens = 0  # totals, for stats()
         self._success = Counter(f"{prefix}:request_success", "Requests finished, by finished_reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
@@ -61,11 +70,11 @@ class EngineMetrics:
         self.waiting.set(waiting)
         self.swapped.set(swapped)
 
-    def observe_prefix_cache(self, queries_total: int, hits_total: int) -> None:
-        """Advance the prefix-cache counters to the engine's running totals (in tokens)."""
-        self.prefix_queries.inc(queries_total - self._reported_queries)
-        self.prefix_hits.inc(hits_total - self._reported_hits)
-        self._reported_queries, self._reported_hits = queries_total, hits_total
+    def observe_cache(self, totals: dict[str, int]) -> None:
+        """Advance the cache counters (CACHE_COUNTERS) to the engine's running totals."""
+        for name, total in totals.items():
+            self._cache_counters[name].inc(total - self._reported[name])
+            self._reported[name] = total
 
     def observe_prompt(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)

@@ -62,8 +62,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by prefix-cache hits
     metrics: RequestMetrics | None = None
     error: str | None = None
+    num_chunk_hit_tokens: int = 0  # prompt tokens whose KV came from the chunk cache (chunk reuse)
+    num_recomputed_tokens: int = 0  # tokens of reused chunks computed again
     # with SamplingParams(prompt_logprobs=k): per prompt token (None for the first), as vLLM's
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -50,3 +50,29 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
         extra = _extra_keys(cache_salt) if index == 0 else b""
         block_tokens = token_ids[index * block_size:(index + 1) * block_size]
         hashes.append(hash_block(parent, block_tokens, extra))
+
+
+_CHUNK_DOMAIN = b"pagedrag/kv-chunk/v1"
+_TAG_CHUNK_BLOCK = b"C"
+
+
+def chunk_key(model_id: str, cache_salt: str | None, head_token_ids: Sequence[int],
+              chunk_token_ids: Sequence[int]) -> BlockHash:
+    """What a reusable chunk's KV depends on, independent of where the chunk lands: the model,
+    the tenant's salt, the head (system prompt) it was computed after, and its own tokens."""
+    digest = hashlib.sha256(_CHUNK_DOMAIN)
+    salt = b"" if cache_salt is None else _TAG_CACHE_SALT + cache_salt.encode("utf-8")
+    for part in (model_id.encode("utf-8"), salt, array("q", head_token_ids).tobytes(),
+                 array("q", chunk_token_ids).tobytes()):
+        digest.update(_length_prefixed(part))
+    return digest.digest()
+
+
+def chunk_block_hashes(key: BlockHash, chunk_token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The hashes of a chunk's blocks (its KV laid out from position 0), the last one possibly
+    partial, chained from ``key``; tagged so they never equal a prefix block's hash."""
+    hashes: list[BlockHash] = []
+    for start in range(0, len(chunk_token_ids), block_size):
+        parent = hashes[-1] if hashes else key
+        hashes.append(hash_block(parent, chunk_token_ids[start:start + block_size], _TAG_CHUNK_BLOCK))
+    return hashes

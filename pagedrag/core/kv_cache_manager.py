@@ -9,6 +9,7 @@ Invariants:
 - Before a request writes into a block that other requests share (ref_count > 1),
   the block is copied: the copy is queued in ``pending_copies`` as (src, dst) and
   must run before the step's forward pass.
+- Only blocks below a request's ``exact_prefix_len`` (chunk reuse) go to the prefix cache.
 - Once every request is freed, every block is free again.
 """
 
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedrag.core.request import Request
+from pagedrag.core.block_hash import BlockHash
 from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
+from pagedrag.core.chunk_cache import ChunkCache
+from pagedrag.core.request import Request
 
 
 @dataclass
@@ -42,10 +45,12 @@ class SwapPlan:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, chunk_reuse: tuple[float, str] | None = None):
+        """``chunk_reuse``: (recompute fraction, model id) to reuse chunks (core.chunk_cache)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.chunks = ChunkCache(self.pool, block_size, *chunk_reuse) if chunk_reuse and enable_caching else None
         self.cpu_free: list[int] = list(range(num_cpu_blocks))
         self.tables: dict[str, list[KVBlock]] = {}
         self.num_offered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
@@ -78,6 +83,22 @@ class KVCacheManager:
                 break
             length = start + self.block_size
         return length
+
+    def blocks_in_progress(self, requests: list[Request]) -> set[BlockHash]:
+        """Hashes of the full prompt blocks these requests have yet to compute (or compute now)."""
+        pending: set[BlockHash] = set()
+        for request in requests:
+            first = request.num_computed_tokens // self.block_size
+            pending.update(request.block_hashes[first:request.num_prompt_tokens // self.block_size])
+        return pending
+
+    def waits_for(self, request: Request, num_hit_blocks: int, pending: set[BlockHash]) -> bool:
+        """Whether the request's first block past its prefix hit is one that another request is
+        computing: admitted a step later, it hits that block instead of computing it again."""
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
+            return False
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return num_hit_blocks < max_blocks and request.block_hashes[num_hit_blocks] in pending
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         self.prefix_stats.queries += request.num_tokens
@@ -126,7 +147,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         table = self.tables.get(request.request_id, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        num_exact = request.num_computed_tokens if request.exact_prefix_len is None else \
+            min(request.num_computed_tokens, request.exact_prefix_len)
+        num_full = min(num_exact // self.block_size, len(request.block_hashes))
         for index in range(self.num_offered.get(request.request_id, 0), num_full):
             start = index * self.block_size
             self.pool.cache(table[index], request.block_hashes[index],
@@ -144,6 +167,8 @@ class KVCacheManager:
         """Release the request's blocks, tail first (device and swap space)."""
         table = self.tables.pop(request.request_id, [])
         self.num_offered.pop(request.request_id, None)
+        if self.chunks is not None:
+            self.chunks.release(request)
         self.pool.free(list(reversed(table)))
         self.cpu_free.extend(self.cpu_tables.pop(request.request_id, []))
 

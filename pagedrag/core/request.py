@@ -18,6 +18,16 @@ from pagedrag.outputs import Logprob, RequestMetrics
 from pagedrag.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True, slots=True)
+class PromptSegment:
+    """Prompt positions [start, end) that came as one segment (see core.chunk_cache): the
+    first segment of a prompt is its head; a later one is a reusable chunk when ``reusable``."""
+
+    start: int
+    end: int
+    reusable: bool = True
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -64,6 +74,13 @@ class Request:
     pending_forks: int = 0  # siblings to fork off once the prompt is computed (n > 1)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # SamplingParams.bad_words, tokenized
     grammar: object | None = None  # xgrammar GrammarMatcher of structured outputs: has accepted every output token
+    segments: tuple[PromptSegment, ...] = ()  # the prompt's segments, when it came as prompt_segments
+    # Chunk reuse (core.chunk_cache): KV is exact below exact_prefix_len (None: everywhere).
+    exact_prefix_len: int | None = None
+    imported_segments: set[int] = field(default_factory=set)
+    chunk_hashes: dict[int, list[BlockHash]] = field(default_factory=dict)
+    num_chunk_hit_tokens: int = 0  # prompt tokens whose KV came from the chunk cache (first scheduling)
+    num_recomputed_tokens: int = 0  # tokens of imported chunks computed again (first scheduling)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def __post_init__(self) -> None:
@@ -115,6 +132,8 @@ class Request:
         child.num_cached_tokens = self.num_cached_tokens
         child.bad_words_token_ids = self.bad_words_token_ids
         child.grammar = None if self.grammar is None else self.grammar.fork()
+        child.exact_prefix_len = self.exact_prefix_len
+        child.num_chunk_hit_tokens, child.num_recomputed_tokens = self.num_chunk_hit_tokens, self.num_recomputed_tokens
         child.status = self.status
         child.metrics = RequestMetrics(self.metrics.arrival_time, self.metrics.first_scheduled_time)
         return child

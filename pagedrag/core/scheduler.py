@@ -21,15 +21,22 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedrag.core.request import Request, RequestStatus
+from pagedrag.core.chunk_cache import ChunkPlan, KVMove
 from pagedrag.core.kv_cache_manager import KVCacheManager, SwapPlan
+from pagedrag.core.block_pool import KVBlock
+from pagedrag.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """A request's share of one step: ``num_new_tokens`` tokens from its
-    ``num_computed_tokens`` on, whose KV goes into ``block_ids`` (its block table, final
-    once the request is scheduled: later allocations this step touch other tables only).
+    """A request's share of one step: ``num_new_tokens`` tokens, whose KV goes into
+    ``block_ids`` (its block table, final once the request is scheduled: later allocations
+    this step touch other tables only).
+
+    ``runs`` are the position ranges the model computes, in order: one range from
+    ``num_computed_tokens`` on, or, when cached chunks are reused (core.chunk_cache), the
+    ranges around them. ``imports`` bring those chunks into the table before the forward
+    pass; ``exports`` save the chunks this step completes after it.
 
     ``completes_sequence`` is fixed when the request is scheduled: True when, after the
     step, every token of the request has KV, so it gets a logits row and samples.
@@ -38,10 +45,21 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]
+    runs: list[tuple[int, int]] = field(default_factory=list)
+    imports: list[KVMove] = field(default_factory=list)
+    exports: list[KVMove] = field(default_factory=list)
     completes_sequence: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.completes_sequence = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        if not self.runs:
+            begin = self.request.num_computed_tokens
+            self.runs = [(begin, begin + self.num_new_tokens)]
+        self.completes_sequence = self.end == self.request.num_tokens
+
+    @property
+    def end(self) -> int:
+        """The request's computed tokens after the step."""
+        return self.runs[-1][1]
 
 
 @dataclass(slots=True)
@@ -118,15 +136,23 @@ class Scheduler:
         passed to ``on_error(request, error)`` at once (which fails that request alone); the
         others are updated all the same."""
         for item in step.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            item.request.num_computed_tokens = item.end
             try:
                 self.kv.cache_blocks(item.request)
+                if self.kv.chunks is not None:
+                    self.kv.chunks.finish_step(item.request)
             except Exception as error:
                 on_error(item.request, error)
 
-    def _scheduled(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
-        """The step's share of a request whose slots are allocated (its table is final)."""
-        return ScheduledRequest(request, num_new_tokens, self.kv.block_ids(request))
+    def _scheduled(self, request: Request, num_new_tokens: int, runs: list[tuple[int, int]] | None = None,
+                   imports: list[KVMove] | None = None) -> ScheduledRequest:
+        """The step's share of a request whose slots are allocated (its table is final), with
+        the exports of the reusable chunks it completes."""
+        item = ScheduledRequest(request, num_new_tokens, self.kv.block_ids(request), runs or [], imports or [])
+        if self.kv.chunks is not None and request.segments:
+            item.exports = self.kv.chunks.plan_exports(request, item.runs[0][0], item.end,
+                                                       self.kv.tables[request.request_id])
+        return item
 
     def _chunk(self, request: Request, budget: int, num_computed: int | None = None) -> int:
         """How many of the request's uncomputed tokens fit the budget (0: none)."""
@@ -228,22 +254,59 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in arrival order. One whose next uncached block another
+        request is computing now waits a step (keeping its place) and then hits that block;
+        the requests behind it go on."""
+        pending = self.kv.blocks_in_progress(self.running)
+        deferred = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            first_time = request.num_cached_tokens < 0
             hits = self.kv.computed_blocks(request)
-            num_hit_tokens = len(hits) * self.kv.block_size
-            num_new = self._chunk(request, budget, num_hit_tokens)
-            if num_new == 0 or not self.kv.allocate_slots(request, num_new, hits):
+            if self.kv.waits_for(request, len(hits), pending):
+                deferred.append(self.waiting.popleft())
+                continue
+            num_scheduled = self._admit(request, hits, budget, out)
+            if num_scheduled == 0:
                 break
-            request.num_computed_tokens = num_hit_tokens
-            if first_time:
-                request.num_cached_tokens = num_hit_tokens
-                self.kv.record_prefix_query(request, num_hit_tokens)
-                request.metrics.first_scheduled_time = time.monotonic()
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            pending |= self.kv.blocks_in_progress([request])
+            budget -= num_scheduled
+        self.waiting.extendleft(reversed(deferred))
 
+    def _admit(self, request: Request, hits: list[KVBlock], budget: int, out: SchedulerOutput) -> int:
+        """Schedule a waiting request's first tokens after its prefix hit (and, with chunk
+        reuse, around its cached chunks); returns the tokens scheduled, 0 when it does not fit."""
+        first_time = request.num_cached_tokens < 0
+        num_hit_tokens = len(hits) * self.kv.block_size
+        plan = self._chunk_plan(request, num_hit_tokens, budget)
+        if plan is False:
+            return 0
+        num_new = request.num_tokens - num_hit_tokens if plan else self._chunk(request, budget, num_hit_tokens)
+        if plan:
+            self.kv.chunks.hold_sources(request, plan)
+        if num_new == 0 or not self.kv.allocate_slots(request, num_new, hits):
+            if plan:
+                self.kv.chunks.release(request)
+            return 0
+        request.num_computed_tokens = num_hit_tokens
+        request.exact_prefix_len, request.imported_segments = None, set()
+        imports = self.kv.chunks.admit(request, plan, self.kv.tables[request.request_id], first_time) if plan else []
+        if first_time:
+            request.num_cached_tokens = num_hit_tokens
+            self.kv.record_prefix_query(request, num_hit_tokens)
+            request.metrics.first_scheduled_time = time.monotonic()
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        item = self._scheduled(request, plan.num_tokens if plan else num_new, plan.runs if plan else None, imports)
+        out.scheduled.append(item)
+        return item.num_new_tokens
+
+    def _chunk_plan(self, request: Request, num_hit_tokens: int, budget: int) -> ChunkPlan | None | bool:
+        """The request's chunk-reuse plan (None: computed as usual). A plan runs in one step:
+        False when it does not fit this step's budget but fits an empty step's (it waits)."""
+        if self.kv.chunks is None or not request.segments or request.params.prompt_logprobs is not None:
+            return None
+        plan = self.kv.chunks.plan(request, num_hit_tokens)
+        if plan is None or plan.num_tokens <= budget:
+            return plan
+        return False if plan.num_tokens <= self.max_num_batched_tokens else None

@@ -13,6 +13,8 @@ import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pagedrag.core.request import PromptSegment
+from pagedrag.engine.segments import chat_segments, text_segments
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.structured.compiler import GrammarCompiler
 from pagedrag.tools import PARSERS, ToolPlan, parser_for, plan_tools, prepare_conversation, template_supports_tools
@@ -20,7 +22,9 @@ from pagedrag.text_checks import check_int, check_utf8
 
 PromptType = str | Sequence[int] | Mapping
 Conversation = list[dict]
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_segments", "cache_salt")
+SEGMENT_KEYS = ("text", "token_ids", "reusable")
+MAX_PROMPT_SEGMENTS = 4096
 MAX_CACHE_SALT_CHARS = 4096
 # A text of more than this many characters per token of max_model_len is refused before
 # it is tokenized: no token of the vocabulary decodes to more characters than its longest
@@ -31,11 +35,13 @@ CHARS_PER_TOKEN_SAFETY = 2
 @dataclass(frozen=True)
 class ProcessedPrompt:
     """A prompt that passed every check: ``token_ids`` are in the vocabulary, and there
-    are fewer than max_model_len of them."""
+    are fewer than max_model_len of them. ``segments`` cover them, in order, when the
+    prompt came as ``prompt_segments``."""
 
     text: str | None
     token_ids: list[int]
     cache_salt: str | None
+    segments: tuple[PromptSegment, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_prompt_chars = max_model_len * CHARS_PER_TOKEN_SAFETY * _longest_token_chars(tokenizer)
+        self.segment_prompts = False  # chunk reuse: cut text prompts and chats into segments (engine.segments)
 
     def copy(self) -> "InputProcessor":
         """An independent processor for another thread (a tokenizer is not shared across
@@ -69,26 +76,101 @@ class InputProcessor:
 
     # ---- prompts ------------------------------------------------------------------
     def process(self, prompt: PromptType, cache_salt: str | None = None,
-                truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
+                truncate_prompt_tokens: int | None = None, chunks: Sequence[str] | None = None) -> ProcessedPrompt:
         """Tokenize and check a prompt given as text, token ids or a prompt dict; the
         ``cache_salt`` argument wins over the dict's; ``truncate_prompt_tokens`` keeps the
-        last k tokens (the text is then dropped). Raises ValueError / TypeError."""
+        last k tokens (the text is then dropped). With ``segment_prompts`` a text prompt is
+        cut into segments (around ``chunks``, the retrieved chunks' texts, or at blank
+        lines). Raises ValueError / TypeError."""
+        if self.segment_prompts and self._segmentable(prompt):
+            text = prompt if isinstance(prompt, str) else prompt["prompt"]
+            self._check_text(text)
+            segmented = {"prompt_segments": text_segments(text, chunks)}
+            if isinstance(prompt, Mapping) and "cache_salt" in prompt:
+                segmented["cache_salt"] = prompt["cache_salt"]
+            prompt = segmented
         if isinstance(prompt, ProcessedPrompt):
-            text, token_ids, salt = prompt.text, prompt.token_ids, prompt.cache_salt
+            text, token_ids, salt, segments = prompt.text, prompt.token_ids, prompt.cache_salt, prompt.segments
         else:
-            text, token_ids, salt = self._parse(prompt)
+            (text, token_ids, salt), segments = self._parse(prompt)
         salt = cache_salt if cache_salt is not None else salt
         if truncate_prompt_tokens is not None and len(token_ids) > truncate_prompt_tokens:
-            text, token_ids = None, token_ids[-truncate_prompt_tokens:]
+            text, token_ids, segments = None, token_ids[-truncate_prompt_tokens:], ()
         self._check_salt(salt)
         self.check_prompt_ids(token_ids)
-        return ProcessedPrompt(text, token_ids, salt)
+        return ProcessedPrompt(text, token_ids, salt, segments)
 
-    def _parse(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+    @staticmethod
+    def _segmentable(prompt: object) -> bool:
+        """A text prompt (a string, or a dict with a text and no token ids or segments)."""
+        return isinstance(prompt, str) or (isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str)
+                                           and not {"prompt_token_ids", "prompt_segments"} & set(prompt))
+
+    def _parse(self, prompt: PromptType) -> tuple[tuple[str | None, list[int], str | None], tuple[PromptSegment, ...]]:
+        if isinstance(prompt, Mapping) and "prompt_segments" in prompt:
+            if "prompt" in prompt or "prompt_token_ids" in prompt:
+                raise ValueError("give a prompt as prompt_segments or as prompt / prompt_token_ids, not both")
+            self._check_keys(prompt)
+            text, token_ids, segments = self._segments(prompt["prompt_segments"])
+            return (text, token_ids, prompt.get("cache_salt")), segments
+        return self._parse_whole(prompt), ()
+
+    def _check_keys(self, prompt: Mapping) -> None:
+        unknown = set(prompt) - set(PROMPT_KEYS)
+        if unknown:
+            raise ValueError(f"unknown prompt keys {sorted(unknown)}; use {', '.join(PROMPT_KEYS)}")
+
+    def _segments(self, items: object, special_first: bool = True) -> tuple[str | None, list[int], tuple[PromptSegment, ...]]:
+        """prompt_segments: texts, token-id lists or {"text" | "token_ids", "reusable"} dicts. The
+        prompt is their concatenation; each text is tokenized on its own (the first with the
+        tokenizer's special tokens, unless ``special_first`` is False: a rendered chat has them
+        in its text), so a chunk has the same tokens wherever it lands."""
+        if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Sequence) or not items:
+            raise ValueError("prompt_segments must be a non-empty list of texts, token-id lists or "
+                             "{'text' | 'token_ids', 'reusable'} dicts")
+        if len(items) > MAX_PROMPT_SEGMENTS:
+            raise ValueError(f"prompt_segments holds {len(items)} segments, at most {MAX_PROMPT_SEGMENTS} are allowed")
+        parts = [self._segment_part(index, item) for index, item in enumerate(items)]
+        self.check_prompt_chars(sum(len(content) for content, _ in parts if isinstance(content, str)))
+        token_ids, segments = [], []
+        for index, (content, reusable) in enumerate(parts):
+            ids = content if not isinstance(content, str) else \
+                self._encode_segment(content, special=special_first and index == 0)
+            segments.append(PromptSegment(len(token_ids), len(token_ids) + len(ids), reusable))
+            token_ids.extend(ids)
+        texts = [content for content, _ in parts]
+        text = "".join(texts) if all(isinstance(content, str) for content in texts) else None
+        return text, token_ids, tuple(segments)
+
+    def _segment_part(self, index: int, item: object) -> tuple[str | list[int], bool]:
+        """(text or token ids, reusable) of one prompt segment."""
+        reusable = True
+        if isinstance(item, Mapping):
+            unknown = set(item) - set(SEGMENT_KEYS)
+            if unknown or ("text" in item) == ("token_ids" in item):
+                raise ValueError(f"prompt_segments[{index}] must hold exactly one of 'text' or 'token_ids' "
+                                 f"(and optionally 'reusable'), got keys {sorted(item)}")
+            reusable = item.get("reusable", True)
+            if not isinstance(reusable, bool):
+                raise TypeError(f"prompt_segments[{index}]['reusable'] must be true or false, "
+                                f"got {type(reusable).__name__}")
+            item = item["text"] if "text" in item else item["token_ids"]
+        if isinstance(item, str):
+            check_utf8(f"prompt_segments[{index}]", item)
+            return item, reusable
+        if isinstance(item, Sequence) and not isinstance(item, bytes):
+            return self._token_ids(item), reusable
+        raise TypeError(f"prompt_segments[{index}] must be a text, a token-id list or a dict, "
+                        f"got {type(item).__name__}")
+
+    def _encode_segment(self, text: str, special: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: give prompt_segments as token-id lists")
+        return self.tokenizer.encode(text, add_special_tokens=special)
+
+    def _parse_whole(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         if isinstance(prompt, Mapping):
-            unknown = set(prompt) - set(PROMPT_KEYS)
-            if unknown:
-                raise ValueError(f"unknown prompt keys {sorted(unknown)}; use {', '.join(PROMPT_KEYS)}")
+            self._check_keys(prompt)
             text = prompt.get("prompt")
             if "prompt_token_ids" in prompt:
                 if text is not None:
@@ -151,13 +233,24 @@ class InputProcessor:
     # ---- chats -------------------------------------------------------------------
     def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
                     cache_salt: str | None = None, tools: ToolPlan | None = None,
-                    **template_kwargs) -> ProcessedPrompt:
+                    chunks: Sequence[str] | None = None, **template_kwargs) -> ProcessedPrompt:
         """A conversation through the model's chat template (the tokenizer's, rendered in
         Jinja's sandbox by transformers; ``template_kwargs`` may carry a caller's own
         ``chat_template`` and ``continue_final_message``), with the request's ``tools``,
-        checked like any prompt."""
-        text = self.render_chat_text(conversation, add_generation_prompt, tools, **template_kwargs)
-        return self.process_chat_text(text, cache_salt)
+        checked like any prompt. With ``segment_prompts`` it is cut into segments (around
+        ``chunks``, the retrieved chunks' texts, or at blank lines: engine.segments)."""
+        def render(messages: Conversation) -> str:
+            return self.render_chat_text(messages, add_generation_prompt, tools, **template_kwargs)
+
+        text = render(conversation)
+        segments = chat_segments(render, normalize_conversation(conversation), text, chunks) \
+            if self.segment_prompts else None
+        if segments is None:
+            return self.process_chat_text(text, cache_salt)
+        self._check_text(text)
+        _, token_ids, parsed = self._segments(segments, special_first=False)
+        prompt = self.process({"prompt": text, "prompt_token_ids": token_ids}, cache_salt)
+        return ProcessedPrompt(prompt.text, prompt.token_ids, prompt.cache_salt, parsed)
 
     def render_chat_text(self, conversation: Conversation, add_generation_prompt: bool = True,
                          tools: ToolPlan | None = None, **template_kwargs) -> str:

@@ -61,12 +61,15 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, args.max_num_seqs,
                                      sorted(self.eos_token_ids),
                                      ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice))
+        self.inputs.segment_prompts = args.enable_chunk_reuse
         self.default_params = SamplingParams(**loaded.sampling_defaults)
         self.shape = CacheShape(loaded.module.num_layers, args.block_size, loaded.module.num_kv_heads,
                                 loaded.module.head_dim, self.dtype)
         self.num_blocks = self._plan_num_blocks()
         num_cpu_blocks = self.shape.blocks_in(args.swap_space * GIB_BYTES) if args.preemption_mode == "swap" else 0
-        self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks)
+        chunk_reuse = (args.chunk_recompute_fraction, self.model_name) if args.enable_chunk_reuse else None
+        self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks,
+                                 chunk_reuse)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs,
                                    args.resolved_max_num_batched_tokens(self.max_model_len, self.device),
                                    args.enable_chunked_prefill, args.preemption_mode, self.max_model_len)
@@ -132,7 +135,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = self.inputs.process(prompt, cache_salt, params.truncate_prompt_tokens)
         request = Request(request_id, prompt.token_ids, params, self.args.block_size, prompt.cache_salt,
-                          prompt=prompt.text, generator=self._generator(params, 0))
+                          prompt=prompt.text, generator=self._generator(params, 0), segments=prompt.segments)
         request.pending_forks = params.n - 1
         if params.bad_words:
             request.bad_words_token_ids = self.inputs.bad_words_token_ids(params)
@@ -341,7 +344,7 @@ class LLMEngine:
     def _observe(self, step: SchedulerOutput) -> None:
         self._observe_pool()
         self.metrics.preemptions.inc(len(step.preempted))
-        self.metrics.observe_prefix_cache(self.kv.prefix_stats.queries, self.kv.prefix_stats.hits)
+        self.metrics.observe_cache(self._cache_totals())
         if self.stats_log is not None:
             self.stats_log.maybe_log(self.stats())
 
@@ -351,14 +354,24 @@ class LLMEngine:
         self.metrics.observe_queues(self.kv.pool.usage(), len(scheduler.running), len(scheduler.waiting),
                                     len(scheduler.swapped))
 
-    def stats(self) -> dict:
-        """The engine's counters (prefix cache figures in tokens)."""
+    def _cache_totals(self) -> dict[str, int]:
+        """Prompt tokens by how their KV came to be (metrics.CACHE_COUNTERS), so far."""
         prefix = self.kv.prefix_stats
+        chunk_hits, recomputed = (0, 0) if self.kv.chunks is None else \
+            (self.kv.chunks.stats.hits, self.kv.chunks.stats.recomputed)
+        return {"prefix_cache_queries": prefix.queries, "prefix_cache_hits": prefix.hits,
+                "chunk_cache_hits": chunk_hits, "chunk_tokens_recomputed": recomputed,
+                "prompt_tokens_computed": prefix.queries - prefix.hits - chunk_hits}
+
+    def stats(self) -> dict:
+        """The engine's counters (cache figures in prompt tokens, on first scheduling:
+        prompt_tokens_total = prefix_cache_hits + chunk_cache_hits + prompt_tokens_computed)."""
+        totals = self._cache_totals()
         pool = self.kv.pool
         return {
-            "prefix_cache_queries": prefix.queries,
-            "prefix_cache_hits": prefix.hits,
-            "prefix_cache_hit_rate": prefix.hit_rate,
+            **totals,
+            "prompt_tokens_total": totals["prefix_cache_queries"],
+            "prefix_cache_hit_rate": self.kv.prefix_stats.hit_rate,
             "kv_cache_usage_perc": pool.usage(),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_gpu_blocks": pool.num_blocks,

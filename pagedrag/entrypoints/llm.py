@@ -64,8 +64,9 @@ class LLM:
                   "tools": self.llm_engine.inputs.plan_tools(tools, "none")}  # rendered, never parsed
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
-        prompts = [self.apply_chat_template(c, add_generation_prompt, **kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        render = self.llm_engine.inputs.render_chat  # keeps the segments of chunk reuse
+        return self.generate([render(c, add_generation_prompt, **kwargs) for c in conversations],
+                             sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             **kwargs) -> dict:

@@ -37,6 +37,9 @@ TEMPLATE_FIELDS = ("text", "source", "position", "index", "metadata")
 (or ""), {index} (1-based place in the prompt) and {metadata} (e.g. {metadata[title]}).
 Leave scores out: they change with every query and would break the cache."""
 DEFAULT_CHUNK_TEMPLATE = '<document index="{index}" source="{source}">\n{text}\n</document>'
+REUSABLE_CHUNK_TEMPLATE = '<document source="{source}">\n{text}\n</document>'
+"""For chunk reuse (``enable_chunk_reuse``): a chunk renders the same wherever it lands, so its
+KV can be reused at any position ({index} would make every position a different text)."""
 
 _SENTINEL = "\x00pagedrag-user-content\x00"
 
@@ -291,6 +294,9 @@ class CanonicalPrompt:
     ``messages`` with the generation prompt (``chat=True``), or ``text`` encoded.
     ``chunks`` are the chunks in the prompt, in order (the last one cut short when
     ``truncated``); ``dropped`` the chunks left out to fit ``max_prompt_tokens``.
+    ``segments`` (with a tokenizer) split ``token_ids`` into the head, one segment per chunk
+    (reusable), the volatile fields and the query: ``{"prompt_segments": segments}`` is the
+    prompt for chunk reuse (``enable_chunk_reuse``), the same tokens as ``token_ids``.
     """
 
     text: str
@@ -299,6 +305,7 @@ class CanonicalPrompt:
     dropped: list[Chunk] = field(default_factory=list)
     truncated: bool = False
     token_ids: list[int] | None = None
+    segments: list[dict] | None = None
 
 
 class PromptCanonicalizer:
@@ -348,8 +355,9 @@ class PromptCanonicalizer:
                                     else (ordered, [], False))
         content = self._content(kept, tail)
         token_ids = self._ids(self._head + content + self._tail) if self.tokenizer is not None else None
+        segments = self._segment_ids(kept, tail) if self.tokenizer is not None else None
         return CanonicalPrompt(self._plain_head + content, self._messages(content),
-                               kept, dropped, truncated, token_ids)
+                               kept, dropped, truncated, token_ids, segments)
 
     def order_chunks(self, chunks: Iterable[ChunkLike], cache_salt: str | None = None) -> list[Chunk]:
         """The chunks as Chunks, deduplicated, in this canonicalizer's order."""
@@ -389,6 +397,23 @@ class PromptCanonicalizer:
     def _ids(self, model_text: str) -> list[int]:
         """Token ids of text as the model sees it (a rendered chat template has its specials)."""
         return self.tokenizer.encode(model_text, add_special_tokens=not self.chat)
+
+    def _segment_ids(self, chunks: list[Chunk], tail: str) -> list[dict] | None:
+        """The prompt's token ids by segment: each segment's are what encoding the text up to its
+        end adds to the encoding up to its start (a prefix of it, by the boundary invariant);
+        None if a tokenizer breaks that."""
+        pieces = [(self._head, False)]
+        pieces += [(self._render_chunk(chunk, index), True) for index, chunk in enumerate(chunks, 1)]
+        pieces.append((tail + self._tail, False))
+        segments, done, text = [], [], ""
+        for piece, reusable in pieces:
+            text += piece
+            ids = self._ids(text)
+            if ids[:len(done)] != done:
+                return None
+            segments.append({"token_ids": ids[len(done):], "reusable": reusable})
+            done = ids
+        return segments
 
     def _cached_len(self, leading: list[Chunk], cache_salt: str | None) -> int:
         """Cached tokens of a prompt that starts with these chunks, as the engine reports."""

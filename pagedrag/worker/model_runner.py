@@ -1,9 +1,10 @@
 """Runs a scheduled step on the device: the forward pass, then sampling.
 
-For each scheduled request the step feeds tokens [num_computed, num_computed + n):
-input_ids and positions packed request after request, each token's cache slot
-(slot_mapping), the block tables, the context lengths after the step, and the
-packed offsets (query_start_loc). Logits are computed only at the last token of
+For each scheduled request the step feeds its runs (tokens [num_computed, num_computed + n),
+or with chunk reuse the ranges around the chunks it imports), each run attending as a
+sequence of its own over the request's block table: input_ids and positions packed run
+after run, each token's cache slot (slot_mapping), the block tables, the context lengths
+after the run, and the packed offsets (query_start_loc). Logits are computed only at the last token of
 requests whose every token has KV after the step (``step.completing``: those sample).
 
 The engine calls ``execute`` (launch the forward pass), reads the previous step's
@@ -28,6 +29,7 @@ from pagedrag.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedrag.models.attention import AttentionMetadata
 from pagedrag.core.request import Request
 from pagedrag.structured.masks import fill_masks
+from pagedrag.worker.chunk_moves import apply_kv_moves
 from pagedrag.worker.cuda_graphs import StepGraphs
 from pagedrag.worker.kv_cache import KVCacheTensors
 from pagedrag.worker.prompt_logprobs import PromptRows, prompt_rows, prompt_samples
@@ -162,37 +164,37 @@ class ModelRunner:
         decodes it: its input id is copied on the device from ``inflight``.
         """
         input_ids, positions, slots, context_lens, starts, logits_rows = [], [], [], [], [0], []
-        inflight_rows, inflight_sources, wanted_prompt_rows = [], [], []
+        inflight_rows, inflight_sources, wanted_prompt_rows, tables = [], [], [], []
         for item in step.scheduled:
-            begin = item.request.num_computed_tokens
-            end = begin + item.num_new_tokens
-            known = item.request.token_ids[begin:end]
-            if len(known) < item.num_new_tokens:  # its in-flight token: filled in on the device
-                inflight_rows.append(len(input_ids))
-                inflight_sources.append(_inflight_row(inflight, item))
-            input_ids.extend(known + [0] * (item.num_new_tokens - len(known)))
-            positions.extend(range(begin, end))
-            slots.extend(item.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                         for p in range(begin, end))
-            context_lens.append(end)
-            wanted = prompt_rows(item.request, begin, end, starts[-1])
-            if wanted is not None:
-                wanted_prompt_rows.append(wanted)
-            starts.append(starts[-1] + item.num_new_tokens)
+            for begin, end in item.runs:  # each run attends as a sequence of its own
+                known = item.request.token_ids[begin:end]
+                if len(known) < end - begin:  # its in-flight token: filled in on the device
+                    inflight_rows.append(len(input_ids))
+                    inflight_sources.append(_inflight_row(inflight, item))
+                input_ids.extend(known + [0] * (end - begin - len(known)))
+                positions.extend(range(begin, end))
+                slots.extend(item.block_ids[p // self.block_size] * self.block_size + p % self.block_size
+                             for p in range(begin, end))
+                context_lens.append(end)
+                tables.append(item.block_ids)
+                wanted = prompt_rows(item.request, begin, end, starts[-1])
+                if wanted is not None:
+                    wanted_prompt_rows.append(wanted)
+                starts.append(starts[-1] + end - begin)
             if item.completes_sequence:
                 logits_rows.append(starts[-1] - 1)
         longs = _split_on_device([input_ids, positions, slots, logits_rows, inflight_rows, inflight_sources],
                                  torch.int64, self.device)
         input_ids_t, positions_t, slots_t, logits_rows_t, inflight_rows_t, inflight_sources_t = longs
-        meta = self._attention_metadata(step, slots_t, context_lens, starts)
+        meta = self._attention_metadata(tables, slots_t, context_lens, starts)
         if inflight_rows:
             input_ids_t.index_copy_(0, inflight_rows_t, inflight.token_ids.index_select(0, inflight_sources_t))
         return StepInputs(input_ids_t, positions_t, meta, logits_rows_t, wanted_prompt_rows)
 
-    def _attention_metadata(self, step: SchedulerOutput, slot_mapping: torch.Tensor,
+    def _attention_metadata(self, tables: list[list[int]], slot_mapping: torch.Tensor,
                             context_lens: list[int], starts: list[int]) -> AttentionMetadata:
-        """The step's attention metadata; its integer columns go over in one copy."""
-        tables = _pad_rows([item.block_ids for item in step.scheduled])
+        """The step's attention metadata (a row per run); its integer columns go over in one copy."""
+        tables = _pad_rows(tables)
         ints = _split_on_device([context_lens, starts, [b for row in tables for b in row]],
                                 torch.int32, self.device)
         return AttentionMetadata(
@@ -200,7 +202,7 @@ class ModelRunner:
             block_tables=ints[2].view(len(tables), -1),
             context_lens=ints[0],
             query_start_loc=ints[1],
-            decode_only=all(item.num_new_tokens == 1 for item in step.scheduled),
+            decode_only=all(end - start == 1 for start, end in zip(starts, starts[1:])),
             ops=self.ops)
 
     @torch.inference_mode()
@@ -211,15 +213,22 @@ class ModelRunner:
         self.cache.apply(step.block_copies, step.swaps)
         if not step.scheduled:
             return StepLogits(torch.empty(0, device=self.device), [])
+        self._move_kv([move for item in step.scheduled for move in item.imports])
         inputs = self.prepare(step, inflight)
         shape = None if self.graphs is None else self.graphs.shape_for(
-            len(step.scheduled), step.num_tokens, inputs.meta.decode_only)
+            inputs.meta.context_lens.shape[0], step.num_tokens, inputs.meta.decode_only)
         if shape is not None:
             hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache.device_layers, inputs.meta)
+        self._move_kv([move for item in step.scheduled for move in item.exports])
         return StepLogits(self.model.compute_logits(hidden[inputs.logits_indices], self.ops),
                           self._prompt_logprobs(hidden, inputs.prompt_rows))
+
+    def _move_kv(self, moves: list) -> None:
+        """Chunk reuse's copies (worker.chunk_moves), on the model's rotary frequencies."""
+        if moves:
+            apply_kv_moves(self.cache.device_layers, self.model.model.rotary.inv_freq, moves)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, wanted: list[PromptRows]) -> list:
         if not wanted:

@@ -1,0 +1,238 @@
+"""Chunk reuse (opt-in, ``enable_chunk_reuse``): a retrieved chunk's KV, cached independent of
+where the chunk lands, reused at any position of a later prompt.
+
+A prompt carries its segments (``PromptSegment``): the first is the head (e.g. the system
+prompt, served by the exact prefix cache), each later one a reusable chunk unless marked
+otherwise. A chunk's KV is kept in pool blocks of its own, laid out as if the chunk began at
+position 0 (keys rotated back by its start), under ``chunk_block_hashes`` of (model, cache
+salt, head tokens, chunk tokens). Those blocks live in the prefix cache's pool and LRU: free
+(ref count 0) but findable until the pool hands them out again.
+
+- Import: a chunk found in the cache is copied into the request's own blocks at its new
+  position, keys rotated forward (RoPE is a rotation: K(p + d) = R(d) K(p)), and its first
+  ``recompute_count(length)`` tokens are computed again with the full context (as EPIC does),
+  which restores attention across the chunk boundary. The chunk's other tokens keep the KV of
+  the prompt it was first computed in: an approximation, measured in benchmarks/RESULTS.md.
+- Export: when a request computes a reusable chunk in full (not imported), its KV is copied,
+  after that step's forward pass, into fresh blocks (keys rotated back to position 0), which
+  are then registered under the chunk's hashes.
+
+Invariants:
+- A request's KV is exact below ``Request.exact_prefix_len`` (its first imported position);
+  only blocks below it go to the exact prefix cache, so prefix hits never serve approximate KV.
+- The source blocks of an import and the destination blocks of an export are held (ref
+  count > 0) from scheduling until the step ran (``finish_step``) or the request is freed
+  (``release``), so the pool cannot hand them out in between.
+- A segment holding the prompt's last token is never imported: it must produce logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pagedrag.core.block_hash import BlockHash, chunk_block_hashes, chunk_key
+from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
+from pagedrag.core.request import PromptSegment, Request
+
+
+@dataclass(frozen=True, slots=True)
+class KVMove:
+    """Copy the K/V at ``src_slots`` to ``dst_slots`` (flat slots: block id * block_size +
+    offset), rotating the keys by ``delta`` positions."""
+
+    src_slots: list[int]
+    dst_slots: list[int]
+    delta: int
+
+
+@dataclass(slots=True)
+class ChunkPlan:
+    """How a request's prompt is computed with chunk reuse on its admission: the KV of
+    ``imported`` segments (with their cached blocks, held) comes from the chunk cache, and
+    the model computes ``runs``, half-open position ranges, in order."""
+
+    runs: list[tuple[int, int]]
+    imported: list[tuple[int, list[KVBlock]]]  # (segment index, its cached blocks)
+    num_imported: int  # tokens whose KV is copied and kept
+    num_recomputed: int  # tokens of imported chunks computed again
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(end - begin for begin, end in self.runs)
+
+
+@dataclass
+class ChunkCacheStats:
+    """Prompt tokens served by chunk hits and recomputed, on each request's first scheduling."""
+
+    hits: int = 0
+    recomputed: int = 0
+
+
+@dataclass
+class _Export:
+    segment: int
+    blocks: list[KVBlock]
+    hashes: list[BlockHash]
+    token_ids: list[int]
+
+
+@dataclass
+class _Held:
+    """Blocks a request holds for one step: import sources and export destinations."""
+
+    sources: list[KVBlock] = field(default_factory=list)
+    exports: list[_Export] = field(default_factory=list)
+
+
+class ChunkCache:
+    def __init__(self, pool: BlockPool, block_size: int, recompute_fraction: float, model_id: str):
+        self.pool = pool
+        self.block_size = block_size
+        self.recompute_fraction = recompute_fraction
+        self.model_id = model_id
+        self.min_chunk_tokens = block_size  # shorter chunks are cheaper to compute than to track
+        self.stats = ChunkCacheStats()
+        self._held: dict[str, _Held] = {}
+
+    def recompute_count(self, length: int) -> int:
+        """Tokens recomputed at the start of an imported chunk of ``length`` tokens."""
+        return min(length, math.ceil(self.recompute_fraction * length))
+
+    # ---- lookup -----------------------------------------------------------------------
+    def _hashes(self, request: Request, index: int) -> list[BlockHash]:
+        if index not in request.chunk_hashes:
+            head, chunk = request.segments[0], request.segments[index]
+            key = chunk_key(self.model_id, request.cache_salt, request.token_ids[head.start:head.end],
+                            request.token_ids[chunk.start:chunk.end])
+            request.chunk_hashes[index] = chunk_block_hashes(
+                key, request.token_ids[chunk.start:chunk.end], self.block_size)
+        return request.chunk_hashes[index]
+
+    def _reusable(self, request: Request, index: int) -> bool:
+        segment = request.segments[index]
+        return (index > 0 and segment.reusable and segment.end < request.num_prompt_tokens
+                and segment.end - segment.start >= self.min_chunk_tokens)
+
+    def lookup(self, request: Request, index: int) -> list[KVBlock] | None:
+        """The cached blocks of segment ``index``, or None unless all of them are cached."""
+        segment = request.segments[index]
+        blocks = []
+        for number, block_hash in enumerate(self._hashes(request, index)):
+            start = segment.start + number * self.block_size
+            block = self.pool.lookup(block_hash, request.token_ids[start:min(start + self.block_size, segment.end)])
+            if block is None:
+                return None
+            blocks.append(block)
+        return blocks
+
+    # ---- import -------------------------------------------------------------------------
+    def plan(self, request: Request, num_prefix_tokens: int) -> ChunkPlan | None:
+        """The plan for a request whose first ``num_prefix_tokens`` tokens are prefix hits, or
+        None when no chunk of it is cached (it is then computed as usual). Changes nothing."""
+        runs: list[tuple[int, int]] = []
+        imported, num_imported, num_recomputed = [], 0, 0
+        position = num_prefix_tokens
+        for index, segment in enumerate(request.segments):
+            if segment.start < num_prefix_tokens or not self._reusable(request, index):
+                continue
+            blocks = self.lookup(request, index)
+            if blocks is None:
+                continue
+            recompute = self.recompute_count(segment.end - segment.start)
+            _add_run(runs, position, segment.start + recompute)
+            imported.append((index, blocks))
+            num_imported += segment.end - segment.start - recompute
+            num_recomputed += recompute
+            position = segment.end
+        if not imported:
+            return None
+        _add_run(runs, position, request.num_tokens)
+        return ChunkPlan(runs, imported, num_imported, num_recomputed)
+
+    def hold_sources(self, request: Request, plan: ChunkPlan) -> None:
+        """Take a reference on the plan's cached blocks until the step ran."""
+        sources = [block for _, blocks in plan.imported for block in blocks]
+        self.pool.touch(sources)
+        self._held.setdefault(request.request_id, _Held()).sources.extend(sources)
+
+    def admit(self, request: Request, plan: ChunkPlan, table: list[KVBlock], first_time: bool) -> list[KVMove]:
+        """The plan is scheduled over ``table`` (final): mark the request's approximate region
+        and return the copies that bring the chunks in."""
+        moves = []
+        for index, blocks in plan.imported:
+            segment = request.segments[index]
+            keep = range(self.recompute_count(segment.end - segment.start), segment.end - segment.start)
+            moves.append(KVMove([_slot(blocks, offset, self.block_size) for offset in keep],
+                                [_slot(table, segment.start + offset, self.block_size) for offset in keep],
+                                segment.start))
+        request.imported_segments = {index for index, _ in plan.imported}
+        request.exact_prefix_len = request.segments[plan.imported[0][0]].start
+        if first_time:
+            request.num_chunk_hit_tokens, request.num_recomputed_tokens = plan.num_imported, plan.num_recomputed
+            self.stats.hits += plan.num_imported
+            self.stats.recomputed += plan.num_recomputed
+        return moves
+
+    # ---- export -------------------------------------------------------------------------
+    def plan_exports(self, request: Request, begin: int, end: int, table: list[KVBlock]) -> list[KVMove]:
+        """Copies that save the reusable chunks this step completes (computed in [begin, end),
+        not imported, not cached yet) into fresh blocks; none when the pool is short."""
+        moves = []
+        for index, segment in enumerate(request.segments):
+            if not (begin < segment.end <= end and self._reusable(request, index)) \
+                    or index in request.imported_segments or self.lookup(request, index) is not None:
+                continue
+            length = segment.end - segment.start
+            if blocks_for(length, self.block_size) > self.pool.num_free:
+                break
+            blocks = self.pool.allocate(blocks_for(length, self.block_size))
+            token_ids = request.token_ids[segment.start:segment.end]
+            self._held.setdefault(request.request_id, _Held()).exports.append(
+                _Export(index, blocks, self._hashes(request, index), token_ids))
+            moves.append(KVMove([_slot(table, segment.start + offset, self.block_size) for offset in range(length)],
+                                [_slot(blocks, offset, self.block_size) for offset in range(length)],
+                                -segment.start))
+        return moves
+
+    # ---- after the step -----------------------------------------------------------------
+    def finish_step(self, request: Request) -> None:
+        """The step ran: register the chunks it exported and let go of every held block."""
+        held = self._held.pop(request.request_id, None)
+        if held is None:
+            return
+        for export in held.exports:
+            for number, (block, block_hash) in enumerate(zip(export.blocks, export.hashes)):
+                self.pool.cache(block, block_hash,
+                                export.token_ids[number * self.block_size:(number + 1) * self.block_size])
+        self._let_go(held)
+
+    def release(self, request: Request) -> None:
+        """The request is freed (finished, preempted or failed): let go of its held blocks
+        without registering exports that may not have run."""
+        held = self._held.pop(request.request_id, None)
+        if held is not None:
+            self._let_go(held)
+
+    def _let_go(self, held: _Held) -> None:
+        for export in held.exports:
+            self.pool.free(list(reversed(export.blocks)))
+        self.pool.free(held.sources)
+
+
+def _add_run(runs: list[tuple[int, int]], begin: int, end: int) -> None:
+    """Append [begin, end) to runs, merged with the last run when they touch."""
+    if begin >= end:
+        return
+    if runs and runs[-1][1] == begin:
+        runs[-1] = (runs[-1][0], end)
+    else:
+        runs.append((begin, end))
+
+
+def _slot(blocks: list[KVBlock], position: int, block_size: int) -> int:
+    return blocks[position // block_size].block_id * block_size + position % block_size
+
+
+__all__ = ["ChunkCache", "ChunkCacheStats", "ChunkPlan", "KVMove", "PromptSegment"]

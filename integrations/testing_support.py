@@ -30,6 +30,10 @@ NO_CACHE_ENGINE_KWARGS = {**ENGINE_KWARGS, "enable_prefix_caching": False, "max_
 # The article's Vllm(vllm_kwargs=...) as the drop-in tests pass it: max_model_len 1024, and
 # on CPU the KV pool is 10% of the available memory (gpu_memory_utilization is a GPU's)
 VLLM_KWARGS = {"enable_prefix_caching": True, "max_model_len": 1024, "gpu_memory_utilization": 0.88}
+# The chunk-reuse tests' engine, without the flag (each test gives it its own way): a small
+# pool is enough for a few RAG prompts
+CHUNK_REUSE_POOL_KWARGS = {**ENGINE_KWARGS, "kv_cache_memory_bytes": 256 << 20}
+CHUNK_REUSE_TOP_K = 3
 RAG_MODULES = ("json", "pathlib", "random", "statistics")
 RAG_QUERIES = (
     "How do I convert a Python object to a JSON string?",
@@ -65,6 +69,18 @@ RAG_QUERIES = (
     "What does a random generator instance hold?",
     "How do I serialize data to JSON with sorted keys?",
 )
+
+# Two RAG_QUERIES whose top CHUNK_REUSE_TOP_K documents overlap in another order, led by
+# different documents (tests check it: overlap_in_another_order)
+CHUNK_REUSE_QUERIES = (RAG_QUERIES[0], RAG_QUERIES[2])
+
+
+def overlap_in_another_order(first: list[str], second: list[str]) -> bool:
+    """Whether two retrieved lists share at least two texts, in another order, and start
+    with different ones (so the shared ones sit at other positions, past the first
+    difference: the prefix cache cannot serve them, chunk reuse can)."""
+    shared = [text for text in first if text in second]
+    return len(shared) >= 2 and [text for text in second if text in shared] != shared and first[0] != second[0]
 
 
 def rag_documents(count: int = 30, min_chars: int = 200, max_chars: int = 250) -> list[DocChunk]:

@@ -59,7 +59,10 @@ class EngineArgs:
     enable_chunk_reuse: bool = _arg(False, "reuse a retrieved chunk's KV wherever it lands in a prompt given as "
                                           "prompt_segments (approximate: see the README's tuning guide)")
     chunk_recompute_fraction: float = _arg(0.15, "with enable_chunk_reuse: share of each reused chunk's tokens "
-                                                 "(its first ones) computed again with the full context")
+                                                 "computed again with the full context")
+    chunk_recompute_strategy: str = _arg("deviation", "which tokens of a reused chunk are computed again: "
+                                                      "deviation (those whose KV moves most at an early layer, "
+                                                      "as CacheBlend) or first (its first ones, as EPIC)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps so decodes keep running")
     preemption_mode: str = _arg("recompute", "what a full pool does to the newest request: recompute "
                                              "(free its blocks) or swap (copy them to CPU memory)")
@@ -98,6 +101,8 @@ class EngineArgs:
              f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"),
             (0 <= self.chunk_recompute_fraction <= 1,
              f"chunk_recompute_fraction must be in [0, 1], got {self.chunk_recompute_fraction}"),
+            (self.chunk_recompute_strategy in ("deviation", "first"),
+             f"chunk_recompute_strategy must be deviation or first, got {self.chunk_recompute_strategy!r}"),
             (self.enable_prefix_caching or not self.enable_chunk_reuse,
              "enable_chunk_reuse needs enable_prefix_caching: reused chunks live in the prefix cache's pool"),
             (self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}"),

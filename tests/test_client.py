@@ -97,6 +97,20 @@ def test_cache_salt_keeps_prefixes_apart(request, client_name):
     assert warm.cached_tokens >= 64 and cold.cached_tokens == 0
 
 
+@pytest.mark.parametrize("client_name", ["local", "remote"])
+def test_chunks_without_chunk_reuse_change_nothing(request, client_name):
+    """An engine without chunk reuse takes ``chunks=`` (remotely: prompt_chunks) and ignores
+    them: the same answer, and no chunk figures."""
+    client: EngineClient = request.getfixturevalue(client_name)
+    prompt, chunk = PREFIX + "Which planet has no moons?", PREFIX[PREFIX.index("Mercury"):]
+    plain = client.complete(prompt, _greedy(max_tokens=2))
+    chunked = client.complete(prompt, _greedy(max_tokens=2), chunks=[chunk])
+    assert (chunked.text, chunked.prompt_tokens) == (plain.text, plain.prompt_tokens)
+    assert chunked.chunk_cache_hits == chunked.chunk_tokens_recomputed == 0
+    assert chunked.prompt_tokens_computed == chunked.prompt_tokens - chunked.cached_tokens
+    assert chunked.usage()["prompt_tokens_details"]["prompt_tokens_computed"] == chunked.prompt_tokens_computed
+
+
 def test_stats_and_info(local, remote):
     """Remote stats come from the server's JSON /v1/stats, keyed as in process."""
     local.complete("Hello", _greedy(max_tokens=1))

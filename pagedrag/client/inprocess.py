@@ -46,20 +46,22 @@ class SharedEngine:
         return self.engine_request(prompt, SamplingParams(), cache_salt, None)[0]
 
     def engine_request(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
-                       tools: ToolRequest | None) -> tuple[ProcessedPrompt, SamplingParams, ToolPlan | None]:
-        """The engine's prompt and parameters for a request: a chat's tools are checked and
-        rendered, a forced tool choice becomes the parameters' grammar, and the grammar is
-        compiled here, on the caller's thread, not on the engine's."""
+                       tools: ToolRequest | None, chunks: tuple[str, ...] | None = None
+                       ) -> tuple[ProcessedPrompt, SamplingParams, ToolPlan | None]:
+        """The engine's prompt and parameters for a request: the prompt is cut around
+        ``chunks`` (with chunk reuse), a chat's tools are checked and rendered, a forced tool
+        choice becomes the parameters' grammar, and the grammar is compiled here, on the
+        caller's thread, not on the engine's."""
         with self._inputs_lock:
             if isinstance(prompt, str):
                 if tools is not None:
                     raise ValueError("tools need a chat (a list of messages), not a text prompt")
-                return self.inputs.process(prompt, cache_salt), params, None
+                return self.inputs.process(prompt, cache_salt, chunks=chunks), params, None
             plan = None if tools is None else self.inputs.plan_tools(tools.tools, tools.tool_choice,
                                                                      tools.parallel_tool_calls)
             params = params if plan is None else plan.constrain(params)
             self.inputs.compile_constraint(params)
-            return self.inputs.render_chat(prompt, cache_salt=cache_salt, tools=plan), params, plan
+            return self.inputs.render_chat(prompt, cache_salt=cache_salt, tools=plan, chunks=chunks), params, plan
 
     async def submit(self, prompt: ProcessedPrompt, params: SamplingParams) -> RequestStream:
         """Queue a request at the end of this loop turn; its stream of RequestOutputs."""
@@ -115,8 +117,8 @@ class InProcessClient(EngineClient):
         self.shared = shared
 
     async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
-                        tools: ToolRequest | None = None) -> Generation:
-        engine_prompt, params, plan = self.shared.engine_request(prompt, params, cache_salt, tools)
+                        tools: ToolRequest | None = None, chunks: tuple[str, ...] | None = None) -> Generation:
+        engine_prompt, params, plan = self.shared.engine_request(prompt, params, cache_salt, tools, chunks)
         stream = await self.shared.submit(engine_prompt, params)
         final = None
         try:
@@ -127,8 +129,9 @@ class InProcessClient(EngineClient):
         return _whole(final, params.logprobs, plan, self.shared.inputs.tool_parser)
 
     async def _stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
-                      tools: ToolRequest | None = None) -> AsyncIterator[Generation]:
-        engine_prompt, params, plan = self.shared.engine_request(prompt, params, cache_salt, tools)
+                      tools: ToolRequest | None = None, chunks: tuple[str, ...] | None = None
+                      ) -> AsyncIterator[Generation]:
+        engine_prompt, params, plan = self.shared.engine_request(prompt, params, cache_salt, tools, chunks)
         stream = await self.shared.submit(engine_prompt, params)
         cursor = ChoiceCursor(0)
         splitter = ToolCallSplitter(plan, self.shared.inputs.tool_parser)
@@ -160,18 +163,24 @@ def _piece(delta: ChoiceDelta, output: RequestOutput, top: int | None, splitter:
     text, calls = splitter.feed(delta.text, finished)
     if not finished:
         return Generation(text, logprobs=logprobs)
-    return Generation(text, "tool_calls" if calls else delta.finish_reason, len(output.prompt_token_ids),
-                      len(output.outputs[0].token_ids), output.num_cached_tokens, logprobs,
-                      tool_calls=tuple(calls))
+    return Generation(text, "tool_calls" if calls else delta.finish_reason, logprobs=logprobs,
+                      tool_calls=tuple(calls), completion_tokens=len(output.outputs[0].token_ids),
+                      **_prompt_counts(output))
 
 
 def _whole(output: RequestOutput, top: int | None, plan: ToolPlan | None, parser: ToolParser) -> Generation:
     """A finished request: its first completion with the request's counts, the others in ``more``."""
     completions = sorted(output.outputs, key=lambda completion: completion.index)
     first, *more = (_choice(completion, top, plan, parser) for completion in completions)
-    return dataclasses.replace(first, prompt_tokens=len(output.prompt_token_ids),
-                               completion_tokens=sum(len(c.token_ids) for c in completions),
-                               cached_tokens=output.num_cached_tokens, more=tuple(more))
+    return dataclasses.replace(first, completion_tokens=sum(len(c.token_ids) for c in completions),
+                               more=tuple(more), **_prompt_counts(output))
+
+
+def _prompt_counts(output: RequestOutput) -> dict[str, int]:
+    """The Generation fields that count a request's prompt tokens and their cache hits."""
+    return {"prompt_tokens": len(output.prompt_token_ids), "cached_tokens": output.num_cached_tokens,
+            "chunk_cache_hits": output.num_chunk_hit_tokens,
+            "chunk_tokens_recomputed": output.num_recomputed_tokens}
 
 
 def _choice(completion: CompletionOutput, top: int | None, plan: ToolPlan | None, parser: ToolParser) -> Generation:

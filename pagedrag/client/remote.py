@@ -1,5 +1,7 @@
 """The remote back end: a ``pagedrag serve`` (or any OpenAI-compatible server that reports
-``usage.prompt_tokens_details.cached_tokens``) through the official openai SDK.
+``usage.prompt_tokens_details.cached_tokens``) through the official openai SDK. A call's
+``chunks`` travel as pagedrag's ``prompt_chunks``, and the chunk-reuse figures come from
+pagedrag's keys in ``prompt_tokens_details`` (0 from a server without them).
 
 The SDK retries with backoff on connection errors and on 408/409/429/5xx answers (the
 server's 503 when its --max-queue is full included), pools connections, and types its
@@ -66,19 +68,20 @@ class RemoteClient(EngineClient):
         self._info: EngineInfo | None = None  # what /v1/models said; it does not change
 
     async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
-                        tools: ToolRequest | None = None) -> Generation:
+                        tools: ToolRequest | None = None, chunks: tuple[str, ...] | None = None) -> Generation:
         with _translated_errors():
-            response = await self._create(prompt, params, cache_salt, stream=False, tools=tools)
+            response = await self._create(prompt, params, cache_salt, stream=False, tools=tools, chunks=chunks)
         first, *more = (_choice(choice, isinstance(prompt, str))
                         for choice in sorted(response.choices, key=lambda choice: choice.index))
         return _with_usage(dataclasses.replace(first, more=tuple(more)), response.usage)
 
     async def _stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
-                      tools: ToolRequest | None = None) -> AsyncIterator[Generation]:
+                      tools: ToolRequest | None = None, chunks: tuple[str, ...] | None = None
+                      ) -> AsyncIterator[Generation]:
         finish_reason, usage, completion = None, None, isinstance(prompt, str)
         calls = _StreamedCalls()
         with _translated_errors():
-            stream = await self._create(prompt, params, cache_salt, stream=True, tools=tools)
+            stream = await self._create(prompt, params, cache_salt, stream=True, tools=tools, chunks=chunks)
             try:
                 async for chunk in stream:
                     usage = chunk.usage or usage
@@ -110,10 +113,10 @@ class RemoteClient(EngineClient):
         return self._info
 
     async def _create(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None, stream: bool,
-                      tools: ToolRequest | None = None):
+                      tools: ToolRequest | None = None, chunks: tuple[str, ...] | None = None):
         """A completion (text) or chat (messages) request through the SDK."""
         model = self.model if self.model is not None else (await self.ainfo()).model_name
-        options = {"model": model, "stream": stream, **_sampling_body(params, cache_salt),
+        options = {"model": model, "stream": stream, **_sampling_body(params, cache_salt, chunks),
                    **_logprobs_body(params.logprobs, completion=isinstance(prompt, str))}
         if stream:
             options["stream_options"] = {"include_usage": True}
@@ -134,14 +137,17 @@ class RemoteClient(EngineClient):
             return client
 
 
-def _sampling_body(params: SamplingParams, cache_salt: str | None) -> dict[str, Any]:
+def _sampling_body(params: SamplingParams, cache_salt: str | None,
+                   chunks: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The SDK's named sampling arguments, and ``extra_body`` with the extras that differ
-    from their defaults (and the salt, if any)."""
+    from their defaults (and the salt and the chunks, if any)."""
     fields = dataclasses.asdict(params)
     extras = {name: value for name, value in fields.items()
               if name not in _OPENAI_FIELDS and name not in _ROUTE_FIELDS and value != _DEFAULTS[name]}
     if cache_salt is not None:
         extras["cache_salt"] = cache_salt
+    if chunks is not None:
+        extras["prompt_chunks"] = list(chunks)
     return {**{name: fields[name] for name in _OPENAI_FIELDS}, "extra_body": extras}
 
 
@@ -214,13 +220,19 @@ def _chat_logprobs(logprobs) -> tuple[TokenLogprob, ...]:
 
 
 def _with_usage(generation: Generation, usage) -> Generation:
-    """The generation with the token counts of the response's usage (if it had one)."""
+    """The generation with the token counts of the response's usage (if it had one); a
+    count the server did not report is 0."""
     if usage is None:
         return generation
     details = usage.prompt_tokens_details
+
+    def detail(name: str) -> int:
+        return getattr(details, name, None) or 0
+
     return dataclasses.replace(generation, prompt_tokens=usage.prompt_tokens,
-                               completion_tokens=usage.completion_tokens,
-                               cached_tokens=(details.cached_tokens or 0) if details else 0)
+                               completion_tokens=usage.completion_tokens, cached_tokens=detail("cached_tokens"),
+                               chunk_cache_hits=detail("chunk_cache_hits"),
+                               chunk_tokens_recomputed=detail("chunk_tokens_recomputed"))
 
 
 @contextlib.contextmanager

@@ -3,7 +3,10 @@
 A back end (in process, remote) implements four async primitives; the checked, completion,
 chat, batch and synchronous forms are derived here once, so that both back ends behave alike.
 A text prompt is a completion, a list of ``{"role", "content"}`` messages a chat, checked
-by ``pagedrag.engine.inputs.check_conversation`` (the one rule, the engine's own).
+by ``pagedrag.engine.inputs.check_conversation`` (the one rule, the engine's own). With
+``chunks`` (the retrieved chunks' texts) an engine running with chunk reuse
+(enable_chunk_reuse) cuts the prompt around them and reuses each chunk's KV wherever it
+lands; other engines ignore them.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class Generation:
     ``more`` (each with its own text, finish reason and logprobs). The token counts are the
     request's, as OpenAI's usage counts them (completion_tokens over all n), and are on the
     first only: those of ``more`` are 0.
+
+    Of the prompt tokens, ``cached_tokens`` came from the prefix cache and, with chunk reuse,
+    ``chunk_cache_hits`` from chunks cached at another position; the model computed the rest
+    (``prompt_tokens_computed``), ``chunk_tokens_recomputed`` of them tokens of reused chunks.
     """
 
     text: str
@@ -64,6 +71,8 @@ class Generation:
     logprobs: tuple[TokenLogprob, ...] | None = None
     more: tuple["Generation", ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()
+    chunk_cache_hits: int = 0
+    chunk_tokens_recomputed: int = 0
 
     @classmethod
     def joined(cls, pieces: Sequence["Generation"]) -> "Generation":
@@ -83,6 +92,11 @@ class Generation:
         """The share of prompt tokens served from the prefix cache."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def prompt_tokens_computed(self) -> int:
+        """Prompt tokens the model computed: neither prefix-cache nor chunk-cache hits."""
+        return self.prompt_tokens - self.cached_tokens - self.chunk_cache_hits
+
     def cache_figures(self) -> dict[str, Any]:
         """Finish reason, token counts and hit rate, as the integrations report them."""
         return {"finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
@@ -91,10 +105,14 @@ class Generation:
 
     def usage(self) -> dict[str, Any]:
         """The token counts as OpenAI's ``usage`` object spells them (what LlamaIndex's
-        TokenCountingHandler reads), cached prompt tokens in prompt_tokens_details."""
+        TokenCountingHandler reads), cached prompt tokens in prompt_tokens_details with the
+        chunk-reuse figures that ``pagedrag serve`` adds there."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens,
+                                          "chunk_cache_hits": self.chunk_cache_hits,
+                                          "chunk_tokens_recomputed": self.chunk_tokens_recomputed,
+                                          "prompt_tokens_computed": self.prompt_tokens_computed}}
 
 
 @dataclass(frozen=True)
@@ -140,20 +158,21 @@ class EngineClient(ABC):
     are derived here.
 
     Invariants: every prompt is checked (a text, or a conversation ``check_conversation``
-    accepts) before anything is submitted; ``generate`` and ``batch`` return all n
-    completions of a prompt (``Generation.more``), ``complete``, ``chat`` and the streams
-    exactly one (n != 1 is a ValueError, never a quietly dropped choice).
+    accepts) and so are ``chunks`` (None or a tuple of texts) before anything is submitted;
+    ``generate`` and ``batch`` return all n completions of a prompt (``Generation.more``),
+    ``complete``, ``chat`` and the streams exactly one (n != 1 is a ValueError, never a
+    quietly dropped choice).
     """
 
     @abstractmethod
     async def _generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
-                        tools: ToolRequest | None = None) -> Generation:
+                        tools: ToolRequest | None = None, chunks: tuple[str, ...] | None = None) -> Generation:
         """All n completions of a checked text prompt or conversation (``tools``: only with a
-        conversation)."""
+        conversation; ``chunks``: the retrieved chunks' texts, checked)."""
 
     @abstractmethod
     def _stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None,
-                tools: ToolRequest | None = None) -> AsyncIterator[Generation]:
+                tools: ToolRequest | None = None, chunks: tuple[str, ...] | None = None) -> AsyncIterator[Generation]:
         """The one completion (n == 1) of a checked prompt as it is generated (see
         ``Generation`` for the pieces). Closing the iterator early aborts the request."""
 
@@ -168,41 +187,46 @@ class EngineClient(ABC):
     # ---- any prompt, async ---------------------------------------------------------------
     async def agenerate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None, *,
                         tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-                        parallel_tool_calls: bool | None = None) -> Generation:
+                        parallel_tool_calls: bool | None = None, chunks: Sequence[str] | None = None) -> Generation:
         """The whole generation of a text prompt or a conversation (with its tools, see
-        ToolRequest): all n completions."""
-        return await self._generate(_checked(prompt), params, cache_salt,
-                                    ToolRequest.of(tools, tool_choice, parallel_tool_calls))
+        ToolRequest; ``chunks``: the retrieved chunks' texts, see the module doc): all n
+        completions."""
+        checked, chunks = _checked(prompt), _chunks(chunks)
+        return await self._generate(checked, params, cache_salt,
+                                    ToolRequest.of(tools, tool_choice, parallel_tool_calls), chunks)
 
     def astream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None, *,
                 tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-                parallel_tool_calls: bool | None = None) -> AsyncIterator[Generation]:
+                parallel_tool_calls: bool | None = None, chunks: Sequence[str] | None = None
+                ) -> AsyncIterator[Generation]:
         """The one completion of a text prompt or a conversation, as it is generated; tool
         calls (if any) come with the last piece."""
-        checked = _checked(prompt)
+        checked, chunks = _checked(prompt), _chunks(chunks)
         check_single(params, "a stream")
-        return self._stream(checked, params, cache_salt, ToolRequest.of(tools, tool_choice, parallel_tool_calls))
+        return self._stream(checked, params, cache_salt, ToolRequest.of(tools, tool_choice, parallel_tool_calls),
+                            chunks)
 
     # ---- completion and chat, async -------------------------------------------------
-    async def acomplete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None) -> Generation:
+    async def acomplete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None, *,
+                        chunks: Sequence[str] | None = None) -> Generation:
         check_single(params)
-        return await self._generate(_text(prompt), params, cache_salt)
+        return await self.agenerate(_text(prompt), params, cache_salt, chunks=chunks)
 
-    async def achat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None,
-                    **tools: Any) -> Generation:
+    async def achat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None, *,
+                    chunks: Sequence[str] | None = None, **tools: Any) -> Generation:
         """One reply to a conversation; with ``tools`` (tools, tool_choice, parallel_tool_calls:
         see ToolRequest) it may be tool calls."""
         check_single(params)
-        return await self.agenerate(_conversation(messages), params, cache_salt, **tools)
+        return await self.agenerate(_conversation(messages), params, cache_salt, chunks=chunks, **tools)
 
-    def astream_complete(self, prompt: str, params: SamplingParams,
-                         cache_salt: str | None = None) -> AsyncIterator[Generation]:
-        return self.astream(_text(prompt), params, cache_salt)
+    def astream_complete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None, *,
+                         chunks: Sequence[str] | None = None) -> AsyncIterator[Generation]:
+        return self.astream(_text(prompt), params, cache_salt, chunks=chunks)
 
-    def astream_chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None,
-                     **tools: Any) -> AsyncIterator[Generation]:
+    def astream_chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None, *,
+                     chunks: Sequence[str] | None = None, **tools: Any) -> AsyncIterator[Generation]:
         """The reply as it is generated; tool calls (if any) come with the last piece."""
-        return self.astream(_conversation(messages), params, cache_salt, **tools)
+        return self.astream(_conversation(messages), params, cache_salt, chunks=chunks, **tools)
 
     async def abatch(self, prompts: Sequence[Prompt], params: SamplingParams,
                      cache_salt: str | None = None) -> list[Generation]:
@@ -218,30 +242,31 @@ class EngineClient(ABC):
             raise
 
     # ---- synchronous forms ------------------------------------------------------------
-    def generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None,
-                 **tools: Any) -> Generation:
-        return run_sync(self.agenerate(prompt, params, cache_salt, **tools))
+    def generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None, *,
+                 chunks: Sequence[str] | None = None, **tools: Any) -> Generation:
+        return run_sync(self.agenerate(prompt, params, cache_salt, chunks=chunks, **tools))
 
-    def stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None,
-               **tools: Any) -> Iterator[Generation]:
-        return iterate_sync(self.astream(prompt, params, cache_salt, **tools))
+    def stream(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None, *,
+               chunks: Sequence[str] | None = None, **tools: Any) -> Iterator[Generation]:
+        return iterate_sync(self.astream(prompt, params, cache_salt, chunks=chunks, **tools))
 
-    def complete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None) -> Generation:
-        return run_sync(self.acomplete(prompt, params, cache_salt))
+    def complete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None, *,
+                 chunks: Sequence[str] | None = None) -> Generation:
+        return run_sync(self.acomplete(prompt, params, cache_salt, chunks=chunks))
 
-    def chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None,
-             **tools: Any) -> Generation:
+    def chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None, *,
+             chunks: Sequence[str] | None = None, **tools: Any) -> Generation:
         """``achat``, synchronously (``tools``: its tools, tool_choice, parallel_tool_calls)."""
-        return run_sync(self.achat(messages, params, cache_salt, **tools))
+        return run_sync(self.achat(messages, params, cache_salt, chunks=chunks, **tools))
 
-    def stream_complete(self, prompt: str, params: SamplingParams,
-                        cache_salt: str | None = None) -> Iterator[Generation]:
-        return iterate_sync(self.astream_complete(prompt, params, cache_salt))
+    def stream_complete(self, prompt: str, params: SamplingParams, cache_salt: str | None = None, *,
+                        chunks: Sequence[str] | None = None) -> Iterator[Generation]:
+        return iterate_sync(self.astream_complete(prompt, params, cache_salt, chunks=chunks))
 
-    def stream_chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None,
-                    **tools: Any) -> Iterator[Generation]:
+    def stream_chat(self, messages: Messages, params: SamplingParams, cache_salt: str | None = None, *,
+                    chunks: Sequence[str] | None = None, **tools: Any) -> Iterator[Generation]:
         """``astream_chat``, synchronously."""
-        return iterate_sync(self.astream_chat(messages, params, cache_salt, **tools))
+        return iterate_sync(self.astream_chat(messages, params, cache_salt, chunks=chunks, **tools))
 
     def batch(self, prompts: Sequence[Prompt], params: SamplingParams,
               cache_salt: str | None = None) -> list[Generation]:
@@ -257,6 +282,19 @@ class EngineClient(ABC):
 def _checked(prompt: Any) -> Prompt:
     """A text as it is, a conversation once ``check_conversation`` accepts it."""
     return prompt if isinstance(prompt, str) else _conversation(prompt)
+
+
+def _chunks(chunks: Any) -> tuple[str, ...] | None:
+    """The retrieved chunks' texts as a tuple (None: none); TypeError for anything but a
+    sequence of strings (one string is refused: it would be taken letter by letter)."""
+    if chunks is None:
+        return None
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
+        raise TypeError(f"chunks must be a sequence of texts (the retrieved chunks), got {type(chunks).__name__}")
+    for index, chunk in enumerate(chunks):
+        if not isinstance(chunk, str):
+            raise TypeError(f"chunks[{index}] must be a text, got {type(chunk).__name__}")
+    return tuple(chunks)
 
 
 def _text(prompt: Any) -> str:

@@ -9,10 +9,13 @@ salt, head tokens, chunk tokens). Those blocks live in the prefix cache's pool a
 (ref count 0) but findable until the pool hands them out again.
 
 - Import: a chunk found in the cache is copied into the request's own blocks at its new
-  position, keys rotated forward (RoPE is a rotation: K(p + d) = R(d) K(p)), and its first
-  ``recompute_count(length)`` tokens are computed again with the full context (as EPIC does),
-  which restores attention across the chunk boundary. The chunk's other tokens keep the KV of
-  the prompt it was first computed in: an approximation, measured in benchmarks/RESULTS.md.
+  position, keys rotated forward (RoPE is a rotation: K(p + d) = R(d) K(p)), and
+  ``recompute_count(length)`` of its tokens are computed again with the full context, which
+  restores attention across the chunk boundary. Which ones the model runner decides
+  (``Recompute``; worker.recompute_selection): the tokens whose KV deviates most at an early
+  layer (as CacheBlend does), or the chunk's first ones (as EPIC does). The chunk's other
+  tokens keep the KV of the prompt it was first computed in: an approximation, measured in
+  benchmarks/RESULTS.md.
 - Export: when a request computes a reusable chunk in full (not imported), its KV is copied,
   after that step's forward pass, into fresh blocks (keys rotated back to position 0), which
   are then registered under the chunk's hashes.
@@ -46,20 +49,34 @@ class KVMove:
     delta: int
 
 
+@dataclass(frozen=True, slots=True)
+class Recompute:
+    """``count`` tokens of the imported chunk at positions [start, end) to compute again."""
+
+    start: int
+    end: int
+    count: int
+
+
 @dataclass(slots=True)
 class ChunkPlan:
     """How a request's prompt is computed with chunk reuse on its admission: the KV of
-    ``imported`` segments (with their cached blocks, held) comes from the chunk cache, and
-    the model computes ``runs``, half-open position ranges, in order."""
+    ``imported`` segments (with their cached blocks, held) comes from the chunk cache; the
+    model computes the fresh ``runs`` (half-open position ranges, in order; the last one ends
+    the prompt) and ``recompute`` tokens of the imported chunks."""
 
     runs: list[tuple[int, int]]
+    recompute: list[Recompute]
     imported: list[tuple[int, list[KVBlock]]]  # (segment index, its cached blocks)
     num_imported: int  # tokens whose KV is copied and kept
-    num_recomputed: int  # tokens of imported chunks computed again
+
+    @property
+    def num_recomputed(self) -> int:
+        return sum(item.count for item in self.recompute)
 
     @property
     def num_tokens(self) -> int:
-        return sum(end - begin for begin, end in self.runs)
+        return sum(end - begin for begin, end in self.runs) + self.num_recomputed
 
 
 @dataclass
@@ -132,7 +149,7 @@ class ChunkCache:
         """The plan for a request whose first ``num_prefix_tokens`` tokens are prefix hits, or
         None when no chunk of it is cached (it is then computed as usual). Changes nothing."""
         runs: list[tuple[int, int]] = []
-        imported, num_imported, num_recomputed = [], 0, 0
+        recompute, imported, num_imported = [], [], 0
         position = num_prefix_tokens
         for index, segment in enumerate(request.segments):
             if segment.start < num_prefix_tokens or not self._reusable(request, index):
@@ -140,16 +157,16 @@ class ChunkCache:
             blocks = self.lookup(request, index)
             if blocks is None:
                 continue
-            recompute = self.recompute_count(segment.end - segment.start)
-            _add_run(runs, position, segment.start + recompute)
+            count = self.recompute_count(segment.end - segment.start)
+            _add_run(runs, position, segment.start)
+            recompute.append(Recompute(segment.start, segment.end, count))
             imported.append((index, blocks))
-            num_imported += segment.end - segment.start - recompute
-            num_recomputed += recompute
+            num_imported += segment.end - segment.start - count
             position = segment.end
         if not imported:
             return None
         _add_run(runs, position, request.num_tokens)
-        return ChunkPlan(runs, imported, num_imported, num_recomputed)
+        return ChunkPlan(runs, recompute, imported, num_imported)
 
     def hold_sources(self, request: Request, plan: ChunkPlan) -> None:
         """Take a reference on the plan's cached blocks until the step ran."""
@@ -163,9 +180,9 @@ class ChunkCache:
         moves = []
         for index, blocks in plan.imported:
             segment = request.segments[index]
-            keep = range(self.recompute_count(segment.end - segment.start), segment.end - segment.start)
-            moves.append(KVMove([_slot(blocks, offset, self.block_size) for offset in keep],
-                                [_slot(table, segment.start + offset, self.block_size) for offset in keep],
+            offsets = range(segment.end - segment.start)
+            moves.append(KVMove([_slot(blocks, offset, self.block_size) for offset in offsets],
+                                [_slot(table, segment.start + offset, self.block_size) for offset in offsets],
                                 segment.start))
         request.imported_segments = {index for index, _ in plan.imported}
         request.exact_prefix_len = request.segments[plan.imported[0][0]].start
@@ -221,6 +238,14 @@ class ChunkCache:
         self.pool.free(held.sources)
 
 
+def merge_runs(runs: list[tuple[int, int]], positions: list[int]) -> list[tuple[int, int]]:
+    """``runs`` and single ``positions`` (disjoint from them) as ordered, merged runs."""
+    merged: list[tuple[int, int]] = []
+    for begin, end in sorted(runs + [(p, p + 1) for p in positions]):
+        _add_run(merged, begin, end)
+    return merged
+
+
 def _add_run(runs: list[tuple[int, int]], begin: int, end: int) -> None:
     """Append [begin, end) to runs, merged with the last run when they touch."""
     if begin >= end:
@@ -235,4 +260,4 @@ def _slot(blocks: list[KVBlock], position: int, block_size: int) -> int:
     return blocks[position // block_size].block_id * block_size + position % block_size
 
 
-__all__ = ["ChunkCache", "ChunkCacheStats", "ChunkPlan", "KVMove", "PromptSegment"]
+__all__ = ["ChunkCache", "ChunkCacheStats", "ChunkPlan", "KVMove", "PromptSegment", "Recompute", "merge_runs"]

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedrag.core.chunk_cache import ChunkPlan, KVMove
+from pagedrag.core.chunk_cache import ChunkPlan, KVMove, Recompute
 from pagedrag.core.kv_cache_manager import KVCacheManager, SwapPlan
 from pagedrag.core.block_pool import KVBlock
 from pagedrag.core.request import Request, RequestStatus
@@ -35,8 +35,9 @@ class ScheduledRequest:
 
     ``runs`` are the position ranges the model computes, in order: one range from
     ``num_computed_tokens`` on, or, when cached chunks are reused (core.chunk_cache), the
-    ranges around them. ``imports`` bring those chunks into the table before the forward
-    pass; ``exports`` save the chunks this step completes after it.
+    ranges around them, to which the model runner adds the ``recompute`` tokens it picks
+    in them. ``imports`` bring those chunks into the table before the forward pass;
+    ``exports`` save the chunks this step completes after it.
 
     ``completes_sequence`` is fixed when the request is scheduled: True when, after the
     step, every token of the request has KV, so it gets a logits row and samples.
@@ -47,6 +48,7 @@ class ScheduledRequest:
     block_ids: list[int]
     runs: list[tuple[int, int]] = field(default_factory=list)
     imports: list[KVMove] = field(default_factory=list)
+    recompute: list[Recompute] = field(default_factory=list)
     exports: list[KVMove] = field(default_factory=list)
     completes_sequence: bool = field(init=False)
 
@@ -144,13 +146,14 @@ class Scheduler:
             except Exception as error:
                 on_error(item.request, error)
 
-    def _scheduled(self, request: Request, num_new_tokens: int, runs: list[tuple[int, int]] | None = None,
+    def _scheduled(self, request: Request, num_new_tokens: int, plan: ChunkPlan | None = None,
                    imports: list[KVMove] | None = None) -> ScheduledRequest:
         """The step's share of a request whose slots are allocated (its table is final), with
         the exports of the reusable chunks it completes."""
-        item = ScheduledRequest(request, num_new_tokens, self.kv.block_ids(request), runs or [], imports or [])
+        item = ScheduledRequest(request, num_new_tokens, self.kv.block_ids(request), plan.runs if plan else [],
+                                imports or [], plan.recompute if plan else [])
         if self.kv.chunks is not None and request.segments:
-            item.exports = self.kv.chunks.plan_exports(request, item.runs[0][0], item.end,
+            item.exports = self.kv.chunks.plan_exports(request, request.num_computed_tokens, item.end,
                                                        self.kv.tables[request.request_id])
         return item
 
@@ -297,7 +300,7 @@ class Scheduler:
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        item = self._scheduled(request, plan.num_tokens if plan else num_new, plan.runs if plan else None, imports)
+        item = self._scheduled(request, plan.num_tokens if plan else num_new, plan, imports)
         out.scheduled.append(item)
         return item.num_new_tokens
 

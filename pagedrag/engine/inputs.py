@@ -144,24 +144,26 @@ class InputProcessor:
 
     def _segment_part(self, index: int, item: object) -> tuple[str | list[int], bool]:
         """(text or token ids, reusable) of one prompt segment."""
-        reusable = True
+        where, reusable, kind = f"prompt_segments[{index}]", True, None
         if isinstance(item, Mapping):
             unknown = set(item) - set(SEGMENT_KEYS)
             if unknown or ("text" in item) == ("token_ids" in item):
-                raise ValueError(f"prompt_segments[{index}] must hold exactly one of 'text' or 'token_ids' "
+                raise ValueError(f"{where} must hold exactly one of 'text' or 'token_ids' "
                                  f"(and optionally 'reusable'), got keys {sorted(item)}")
             reusable = item.get("reusable", True)
             if not isinstance(reusable, bool):
-                raise TypeError(f"prompt_segments[{index}]['reusable'] must be true or false, "
-                                f"got {type(reusable).__name__}")
-            item = item["text"] if "text" in item else item["token_ids"]
-        if isinstance(item, str):
-            check_utf8(f"prompt_segments[{index}]", item)
+                raise TypeError(f"{where}['reusable'] must be true or false, got {type(reusable).__name__}")
+            kind = "text" if "text" in item else "token_ids"
+            where, item = f"{where}[{kind!r}]", item[kind]
+        is_text = isinstance(item, str)
+        is_ids = isinstance(item, Sequence) and not isinstance(item, (str, bytes))
+        if is_text and kind in (None, "text"):
+            check_utf8(where, item)
             return item, reusable
-        if isinstance(item, Sequence) and not isinstance(item, bytes):
-            return self._token_ids(item), reusable
-        raise TypeError(f"prompt_segments[{index}] must be a text, a token-id list or a dict, "
-                        f"got {type(item).__name__}")
+        if is_ids and kind in (None, "token_ids"):
+            return [check_int(f"a token id of {where}", token) for token in item], reusable
+        expected = {None: "a text, a token-id list or a dict", "text": "a text", "token_ids": "a token-id list"}[kind]
+        raise TypeError(f"{where} must be {expected}, got {type(item).__name__}")
 
     def _encode_segment(self, text: str, special: bool) -> list[int]:
         if self.tokenizer is None:

@@ -96,7 +96,8 @@ class LLMEngine:
         cache = KVCacheTensors(self.shape, self.num_blocks, num_cpu_blocks, self.device,
                                kernels.ops_for(self.device))
         eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        runner = ModelRunner(module, cache, self.args.block_size, self.device, eos_token_id)
+        runner = ModelRunner(module, cache, self.args.block_size, self.device, eos_token_id,
+                             self.args.chunk_recompute_strategy)
         if self.device.type == "cuda" and not self.args.enforce_eager:
             runner.capture_graphs(self.args.max_num_seqs, self.max_model_len)
         return runner

@@ -257,13 +257,19 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, positions, self.rotary.cos_sin_cache,
-                                     kv_cache, meta)
+        hidden, residual = self.forward_layers(input_ids, positions, kv_caches, meta, len(self.layers))
         hidden, _ = self.norm(hidden, residual, ops=meta.ops)
         return hidden
+
+    def forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                       meta: AttentionMetadata, num_layers: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first ``num_layers`` decoder layers (storing their K/V): (hidden, residual)."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers[:num_layers], kv_caches[:num_layers], strict=True):
+            hidden, residual = layer(hidden, residual, positions, self.rotary.cos_sin_cache,
+                                     kv_cache, meta)
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -9,6 +9,23 @@ cannot honour (echo, suffix, the deprecated functions, ...) are rejected rather 
 silently ignored. An explicit null means "the default". Structured outputs come as
 vLLM's ``structured_outputs`` or its older ``guided_*`` fields, or (chat) OpenAI's
 ``response_format``: at most one of them per request.
+
+pagedrag's own extensions, for chunk reuse (``--enable-chunk-reuse``):
+
+- ``prompt_segments`` (/v1/completions, instead of ``prompt``): one prompt as a list of
+  segments, each a text, a token-id list or ``{"text" | "token_ids", "reusable"}``, as
+  the offline API takes them (``pagedrag.engine.inputs``); the prompt is their
+  concatenation, and each reusable segment's KV may be reused wherever it lands.
+- ``prompt_chunks`` (both routes): the retrieved chunks' texts (at most
+  MAX_PROMPT_CHUNKS); the prompt (the last user message, in a chat) is cut into segments
+  around each one found in it. Only with ``prompt`` or ``messages``, not with
+  ``prompt_segments``, which already say where the chunks are. Ignored with a chat
+  template sent with the request.
+- ``usage.prompt_tokens_details`` (PromptTokensDetails) adds chunk_cache_hits,
+  chunk_tokens_recomputed and prompt_tokens_computed to OpenAI's cached_tokens.
+
+Without --enable-chunk-reuse both fields are accepted and checked, a prompt_segments prompt
+is just its concatenation, and the chunk figures are 0.
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ logger = logging.getLogger("pagedrag")
 
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_PROMPTS_PER_REQUEST = 1024  # prompts in one batched /v1/completions request
+MAX_PROMPT_CHUNKS = 256  # texts in prompt_chunks: each is searched for in the prompt
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -112,6 +130,7 @@ class SamplingRequest(StrictRequest):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # only xgrammar (or auto) is served
+    prompt_chunks: list[str] | None = Field(None, max_length=MAX_PROMPT_CHUNKS)  # pagedrag's: see the module doc
 
     @model_validator(mode="before")
     @classmethod
@@ -132,6 +151,11 @@ class SamplingRequest(StrictRequest):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def prompt_field(self) -> str:
+        """The field that carries the prompt, named by errors about it."""
+        raise NotImplementedError
 
     def max_new_tokens(self) -> int | None:
         """The generation limit; None: until EOS, a stop, or max_model_len."""
@@ -192,10 +216,15 @@ class CompletionRequest(SamplingRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         **SamplingRequest.UNSUPPORTED, "echo": (False,), "suffix": ("",), "best_of": (1,)}
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None  # required unless prompt_segments
+    prompt_segments: list[Any] | None = None  # pagedrag's: checked by the engine (inputs.InputProcessor)
     max_tokens: int | None = 16
     best_of: int | None = None  # vLLM's; only 1 (or null) is accepted, see UNSUPPORTED
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def prompt_field(self) -> str:
+        return "prompt" if self.prompt_segments is None else "prompt_segments"
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
@@ -206,9 +235,20 @@ class CompletionRequest(SamplingRequest):
     def num_prompts(self) -> int:
         return len(self.engine_prompts())
 
-    def engine_prompts(self) -> list[str | list[int]]:
-        """One engine prompt (text or token ids) per prompt of a possibly batched request."""
+    def engine_prompts(self) -> list[str | list[int] | dict]:
+        """One engine prompt (text, token ids, or {"prompt_segments": [...]}) per prompt of a
+        possibly batched request; ValueError unless exactly one of prompt and prompt_segments
+        is given (prompt_chunks only with prompt)."""
+        if self.prompt_segments is not None:
+            if self.prompt is not None:
+                raise ValueError("give either prompt or prompt_segments, not both")
+            if self.prompt_chunks is not None:
+                raise ValueError("prompt_chunks cut a prompt into segments; prompt_segments already are "
+                                 "segments: give prompt_chunks with prompt, or mark reusable segments")
+            return [{"prompt_segments": self.prompt_segments}]
         prompt = self.prompt
+        if prompt is None:
+            raise ValueError("a completion request needs prompt (or pagedrag's prompt_segments)")
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]
         if not prompt:
@@ -282,6 +322,10 @@ class ChatCompletionRequest(SamplingRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def prompt_field(self) -> str:
+        return "messages"
+
     def num_prompts(self) -> int:
         return 1
 
@@ -299,7 +343,26 @@ class ChatCompletionRequest(SamplingRequest):
 
 # ---- responses ------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
+    """How the KV of the prompt tokens came to be, counted when each prompt was first
+    scheduled: OpenAI's cached_tokens (prefix-cache hits), and pagedrag's chunk-reuse figures
+    (0 without --enable-chunk-reuse): chunk_cache_hits (tokens whose KV came from a chunk
+    cached at another position), chunk_tokens_recomputed (tokens of reused chunks computed
+    again), prompt_tokens_computed (tokens the model computed, the recomputed ones included).
+
+    Invariant: prompt_tokens = cached_tokens + chunk_cache_hits + prompt_tokens_computed.
+    """
+
     cached_tokens: int = 0
+    chunk_cache_hits: int = 0
+    chunk_tokens_recomputed: int = 0
+    prompt_tokens_computed: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, cached_tokens: int, chunk_cache_hits: int,
+           chunk_tokens_recomputed: int) -> "PromptTokensDetails":
+        return cls(cached_tokens=cached_tokens, chunk_cache_hits=chunk_cache_hits,
+                   chunk_tokens_recomputed=chunk_tokens_recomputed,
+                   prompt_tokens_computed=prompt_tokens - cached_tokens - chunk_cache_hits)
 
 
 class Usage(BaseModel):

@@ -84,12 +84,16 @@ class Run:
                 for p in sorted(self._last) for c in sorted(self._last[p].outputs, key=lambda c: c.index)]
 
     def usage(self) -> Usage:
-        """Token counts so far (prompt tokens once per prompt, whatever n is)."""
-        prompt = sum(len(o.prompt_token_ids) for o in self._last.values())
-        generated = sum(len(c.token_ids) for o in self._last.values() for c in o.outputs)
-        cached = sum(o.num_cached_tokens for o in self._last.values())
+        """Token counts so far (prompt tokens and their cache figures once per prompt,
+        whatever n is)."""
+        outputs = self._last.values()
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        details = PromptTokensDetails.of(prompt, sum(o.num_cached_tokens for o in outputs),
+                                         sum(o.num_chunk_hit_tokens for o in outputs),
+                                         sum(o.num_recomputed_tokens for o in outputs))
         return Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=details)
 
     def prompt_logprobs(self) -> list[dict[str, dict] | None] | None:
         """The first prompt's prompt logprobs in vLLM's JSON shape, when they were asked for."""
@@ -171,8 +175,9 @@ class Serving:
 
     async def chat_prompt(self, request: ChatCompletionRequest, salt: str | None,
                           tools: ToolPlan | None = None) -> ProcessedPrompt:
-        """A conversation (with its ``tools``) through the model's chat template, or the
-        request's own (only with --trust-request-chat-template, in the sandboxed renderer),
+        """A conversation (with its ``tools``) through the model's chat template, cut around
+        the request's prompt_chunks (with chunk reuse), or through the request's own template
+        (only with --trust-request-chat-template, in the sandboxed renderer; never cut),
         off the event loop."""
         conversation = request.conversation()
         try:
@@ -182,7 +187,8 @@ class Serving:
                 if self.config.chat_template is not None:
                     kwargs["chat_template"] = self.config.chat_template
                 return await self.engine.preprocess(lambda inputs: inputs.render_chat(
-                    conversation, request.add_generation_prompt, salt, tools, **kwargs))
+                    conversation, request.add_generation_prompt, salt, tools, chunks=request.prompt_chunks,
+                    **kwargs))
             if tools is not None:
                 raise APIError(400, "tools cannot be combined with a chat template sent with the request",
                                param="tools")
@@ -202,12 +208,15 @@ class Serving:
                                            self.special_tokens, request.template_kwargs())
 
     async def completion_prompts(self, request: CompletionRequest, salt: str | None) -> list[ProcessedPrompt]:
-        """Each prompt of a (possibly batched) completion request, tokenized off the event loop."""
+        """Each prompt of a (possibly batched) completion request (each text one cut around
+        the request's prompt_chunks, with chunk reuse), tokenized off the event loop."""
+        chunks = request.prompt_chunks
         try:
             prompts = request.engine_prompts()
-            return [await self.engine.preprocess(lambda inputs, p=p: inputs.process(p, salt)) for p in prompts]
+            return [await self.engine.preprocess(lambda inputs, p=p: inputs.process(p, salt, chunks=chunks))
+                    for p in prompts]
         except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param="prompt") from error
+            raise APIError(400, str(error), param=request.prompt_field) from error
 
     def cache_salt(self, http_request: Request, request: SamplingRequest) -> str | None:
         if not self.config.salt_by_api_key:
@@ -226,7 +235,7 @@ class Serving:
         try:
             num_prompts = request.num_prompts()
         except ValueError as error:
-            raise APIError(400, str(error), param="prompt") from error
+            raise APIError(400, str(error), param=request.prompt_field) from error
         self._admit(num_prompts * params.n)
         return Envelope.new(request.PREFIX, model), params
 

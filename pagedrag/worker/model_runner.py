@@ -29,7 +29,9 @@ from pagedrag.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedrag.models.attention import AttentionMetadata
 from pagedrag.core.request import Request
 from pagedrag.structured.masks import fill_masks
+from pagedrag.core.chunk_cache import merge_runs
 from pagedrag.worker.chunk_moves import apply_kv_moves
+from pagedrag.worker.recompute_selection import candidate_positions, first_tokens, most_deviating, probe_deviation
 from pagedrag.worker.cuda_graphs import StepGraphs
 from pagedrag.worker.kv_cache import KVCacheTensors
 from pagedrag.worker.prompt_logprobs import PromptRows, prompt_rows, prompt_samples
@@ -137,8 +139,9 @@ class ModelRunner:
     """The device side of a step: model, KV cache tensors, CUDA graphs and the sampler."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCacheTensors, block_size: int,
-                 device: torch.device, eos_token_id: int | None = None):
+                 device: torch.device, eos_token_id: int | None = None, recompute_strategy: str = "deviation"):
         self.model = model
+        self.recompute_strategy = recompute_strategy  # chunk reuse: worker.recompute_selection
         self.cache = cache
         self.block_size = block_size
         self.device = device
@@ -214,6 +217,7 @@ class ModelRunner:
         if not step.scheduled:
             return StepLogits(torch.empty(0, device=self.device), [])
         self._move_kv([move for item in step.scheduled for move in item.imports])
+        self._pick_recomputed(step)
         inputs = self.prepare(step, inflight)
         shape = None if self.graphs is None else self.graphs.shape_for(
             inputs.meta.context_lens.shape[0], step.num_tokens, inputs.meta.decode_only)
@@ -224,6 +228,35 @@ class ModelRunner:
         self._move_kv([move for item in step.scheduled for move in item.exports])
         return StepLogits(self.model.compute_logits(hidden[inputs.logits_indices], self.ops),
                           self._prompt_logprobs(hidden, inputs.prompt_rows))
+
+    def _pick_recomputed(self, step: SchedulerOutput) -> None:
+        """Add to each run list the tokens of imported chunks to compute again."""
+        items = [item for item in step.scheduled if item.recompute]
+        if not items:
+            return
+        if self.recompute_strategy == "first":
+            picked = [first_tokens(item.recompute) for item in items]
+        else:
+            picked = self._most_deviating(items)
+        for item, positions in zip(items, picked):
+            item.runs = merge_runs(item.runs, positions)
+
+    def _most_deviating(self, items: list[ScheduledRequest]) -> list[list[int]]:
+        """Probe the items' uncomputed spans (worker.recompute_selection) and pick per chunk."""
+        spans = [ScheduledRequest(item.request, item.end - item.request.num_computed_tokens, item.block_ids)
+                 for item in items]
+        probe = self.prepare(SchedulerOutput(spans))
+        candidates = [candidate_positions(item.recompute) for item in items]
+        slots = host_to_device([item.block_ids[p // self.block_size] * self.block_size + p % self.block_size
+                                for item, positions in zip(items, candidates) for p in positions],
+                               torch.int64, self.device)
+        deviation = probe_deviation(self.model.model, self.cache.device_layers, probe.input_ids,
+                                    probe.positions, probe.meta, slots)
+        picked, offset = [], 0
+        for item, positions in zip(items, candidates):
+            picked.append(most_deviating(deviation[offset:offset + len(positions)], item.recompute))
+            offset += len(positions)
+        return picked
 
     def _move_kv(self, moves: list) -> None:
         """Chunk reuse's copies (worker.chunk_moves), on the model's rotary frequencies."""

@@ -12,22 +12,26 @@ from pydantic import Field, SecretStr, model_validator
 
 from pagedrag.client import DEFAULT_MODEL_NAME, Generation
 from pagedrag.rag import aliases
-from pagedrag.rag.integration_settings import SAMPLING_SETTINGS, EngineSettings
+from pagedrag.rag.chunk_reuse_support import ChunkReuseSettings, chunk_reuse_figures, chunk_reuse_settings
+from pagedrag.rag.integration_settings import SAMPLING_SETTINGS
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.structured.params import response_format_fields
 
 API_KEY_ENV, BASE_URL_ENV = "PAGEDRAG_API_KEY", "PAGEDRAG_BASE_URL"
-# Call keywords LangChain itself decides on (whether to stream, usage in a stream): not sampling
-_CALL_ONLY = ("stream", "stream_usage")
+# Call keywords that are not sampling: LangChain's own (whether to stream, usage in a stream),
+# and the retrieved chunks' texts, which go to the engine client (ChunkReuseSettings.call_chunks)
+_CALL_ONLY = ("stream", "stream_usage", "chunks")
 _CONSTRAINTS = ("structured_outputs", "guided_decoding")  # SamplingParams fields that shape a reply too
 
 
-class LangChainSettings(EngineSettings):
-    """The shared engine settings (``pagedrag.rag.integration_settings``) as LangChain
+class LangChainSettings(ChunkReuseSettings):
+    """The shared engine settings (``pagedrag.rag.integration_settings``, with chunk reuse:
+    ``pagedrag.rag.chunk_reuse_support``) as LangChain
     spells them, with ChatOpenAI's names: ``model`` (field ``model_name``), ``model_kwargs``
     and ``extra_body`` for other SamplingParams fields, ``logprobs`` / ``top_logprobs``,
     ``streaming``, ``stream_usage``; the server's URL and key read from the environment.
     ChatOllama's ``num_predict``, ``num_ctx`` and ``repeat_penalty`` are aliases too.
+    ``enable_chunk_reuse`` and ``chunk_recompute_fraction`` join ``engine_kwargs``.
 
     Invariants: as ChatOpenAI does, an unknown constructor argument moves into
     ``model_kwargs`` with a warning; every ``model_kwargs`` / ``extra_body`` key must be a
@@ -53,11 +57,12 @@ class LangChainSettings(EngineSettings):
     @model_validator(mode="before")
     @classmethod
     def _route_unknown_arguments(cls, values: Any) -> Any:
-        """Aliases renamed first (pagedrag.rag.aliases), then ChatOpenAI's rule: unknown
-        arguments go into model_kwargs, with a warning."""
+        """Aliases renamed and the chunk-reuse engine arguments moved into engine_kwargs first
+        (``chunk_reuse_settings``), then ChatOpenAI's rule: unknown arguments go into
+        model_kwargs, with a warning."""
         if not isinstance(values, dict):
             return values
-        values = aliases.canonical_settings(values)
+        values = chunk_reuse_settings(values)
         values["model_kwargs"] = dict(values.get("model_kwargs") or {})  # moved from: not the caller's dict
         return _build_model_kwargs(values, get_pydantic_field_names(cls))
 
@@ -109,7 +114,8 @@ class LangChainSettings(EngineSettings):
     def call_sampling(self, kwargs: dict[str, Any], stop: list[str] | None) -> SamplingParams:
         """The sampling of one call: ChatOpenAI's per-call keywords (``logprobs`` /
         ``top_logprobs`` and ``response_format`` included) over the instance's settings;
-        ``stream`` and ``stream_usage`` are LangChain's own and take no part."""
+        ``stream`` and ``stream_usage`` are LangChain's own and ``chunks`` the engine
+        client's (``call_chunks``): they take no part."""
         call = {name: value for name, value in kwargs.items() if name not in _CALL_ONLY}
         if "logprobs" in call or "top_logprobs" in call:
             call["logprobs"] = aliases.openai_logprobs(call.pop("logprobs", self.logprobs),
@@ -147,8 +153,10 @@ def _with_response_format(call: dict[str, Any]) -> dict[str, Any]:
 
 def generation_info(choice: Generation, whole: Generation, model_label: str) -> dict[str, Any]:
     """What a finished completion reports: its finish reason, the request's token and cache
-    figures, the model, and (when asked for) its logprobs as ChatOpenAI reports them."""
-    info = {**whole.cache_figures(), "finish_reason": choice.finish_reason, "model_name": model_label}
+    figures (with where the prompt tokens came from: ``chunk_reuse_figures``), the model, and
+    (when asked for) its logprobs as ChatOpenAI reports them."""
+    info = {**whole.cache_figures(), **chunk_reuse_figures(whole), "finish_reason": choice.finish_reason,
+            "model_name": model_label}
     if choice.logprobs is not None:
         info["logprobs"] = openai_logprobs(choice)
     return info

@@ -25,6 +25,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from pagedrag.client import Generation, Messages, run_sync
+from pagedrag.rag.chunk_reuse_support import cache_read_tokens
 from pagedrag.sampling_params import SamplingParams
 
 from ._engine import LangChainSettings, generation_info, openai_logprobs
@@ -47,10 +48,12 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
 
     A drop-in for ChatOpenAI (and ChatOllama where the names map): see LangChainSettings
     and pagedrag.rag.aliases. Every reply carries ``usage_metadata`` (cached prompt tokens
-    in ``input_token_details["cache_read"]``; in a stream on the last chunk, unless
-    ``stream_usage=False``) and ``response_metadata`` (finish_reason, prompt_tokens,
-    completion_tokens, cached_tokens, cache_hit_rate, model_name; ``logprobs`` when asked
-    for). With n > 1, ``generate`` returns n generations per input (``invoke`` the first).
+    in ``input_token_details["cache_read"]``: prefix-cache and chunk-cache hits; in a
+    stream on the last chunk, unless ``stream_usage=False``) and ``response_metadata``
+    (finish_reason, prompt_tokens, completion_tokens, cached_tokens, cache_hit_rate,
+    prefix_cache_hits, chunk_cache_hits, chunk_tokens_recomputed, prompt_tokens_computed,
+    model_name; ``logprobs`` when asked for). With n > 1, ``generate`` returns n
+    generations per input (``invoke`` the first).
     ``batch`` submits every input before collecting any, so the engine runs them as one
     batch. Decoding is greedy unless ``temperature`` says otherwise.
 
@@ -62,6 +65,13 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
     grammar in the engine, so even a small model replies with a call or JSON of the right
     shape (cut short only by ``max_tokens``). Per call, ``response_format`` (OpenAI's) or
     ``structured_outputs`` (pagedrag.StructuredOutputsParams or its fields) constrain a reply.
+
+    Chunk reuse (``enable_chunk_reuse=True``, ``chunk_recompute_fraction``: EngineArgs
+    fields, in ``engine_kwargs`` or as arguments of their own; refused with ``base_url``,
+    whose server decides): a retrieved chunk's KV is reused wherever it lands. A call takes
+    ``chunks=[texts]`` (the retrieved chunks its prompt holds) for an exact cut; without
+    it, the documents CanonicalDocuments(llm=this) told of that the last human message
+    holds are passed, and otherwise the engine cuts at blank lines.
     """
 
     @property
@@ -133,20 +143,22 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
     # ---- generation -----------------------------------------------------------------------
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        params, tools = self._call_options(kwargs, stop)
-        return self._result(self.client.generate(engine_messages(messages), params, self.cache_salt, **tools))
+        prompt = engine_messages(messages)
+        params, call = self._call_options(prompt, kwargs, stop)
+        return self._result(self.client.generate(prompt, params, self.cache_salt, **call))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        params, tools = self._call_options(kwargs, stop)
-        return self._result(await self.client.agenerate(engine_messages(messages), params, self.cache_salt,
-                                                        **tools))
+        prompt = engine_messages(messages)
+        params, call = self._call_options(prompt, kwargs, stop)
+        return self._result(await self.client.agenerate(prompt, params, self.cache_salt, **call))
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        (params, tools), usage = self._call_options(kwargs, stop), self.wants_stream_usage(kwargs)
-        for piece in self.client.stream(engine_messages(messages), params, self.cache_salt, **tools):
+        prompt = engine_messages(messages)
+        (params, call), usage = self._call_options(prompt, kwargs, stop), self.wants_stream_usage(kwargs)
+        for piece in self.client.stream(prompt, params, self.cache_salt, **call):
             chunk = self._chunk(piece, usage)
             if run_manager:
                 run_manager.on_llm_new_token(piece.text, chunk=chunk)
@@ -155,19 +167,22 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        (params, tools), usage = self._call_options(kwargs, stop), self.wants_stream_usage(kwargs)
-        async for piece in self.client.astream(engine_messages(messages), params, self.cache_salt, **tools):
+        prompt = engine_messages(messages)
+        (params, call), usage = self._call_options(prompt, kwargs, stop), self.wants_stream_usage(kwargs)
+        async for piece in self.client.astream(prompt, params, self.cache_salt, **call):
             chunk = self._chunk(piece, usage)
             if run_manager:
                 await run_manager.on_llm_new_token(piece.text, chunk=chunk)
             yield chunk
 
-    def _call_options(self, kwargs: dict[str, Any], stop: list[str] | None) -> tuple[SamplingParams, dict[str, Any]]:
-        """A call's sampling (call_sampling) and its tool keywords, which the engine client
-        takes apart from the sampling."""
+    def _call_options(self, prompt: Messages, kwargs: dict[str, Any],
+                      stop: list[str] | None) -> tuple[SamplingParams, dict[str, Any]]:
+        """A call's sampling (call_sampling), and what the engine client takes apart from the
+        sampling: its tool keywords and ``chunks`` (``call_chunks`` of the prompt)."""
         tools = {name: value for name, value in kwargs.items() if name in TOOL_KEYWORDS}
         sampling = {name: value for name, value in kwargs.items() if name not in TOOL_KEYWORDS}
-        return self.call_sampling(sampling, stop), tools
+        chunks = self.call_chunks(prompt, kwargs.get("chunks"))
+        return self.call_sampling(sampling, stop), {**tools, "chunks": chunks}
 
     def engine_prompt(self, prompt: PromptValue) -> Messages:
         """A rendered prompt as this model sends it: its messages."""
@@ -198,9 +213,11 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
 
 
 def _usage(generation: Generation) -> UsageMetadata:
+    """The request's token usage; ``cache_read``: prompt tokens served by the prefix cache or
+    by reused chunks."""
     return UsageMetadata(input_tokens=generation.prompt_tokens, output_tokens=generation.completion_tokens,
                          total_tokens=generation.prompt_tokens + generation.completion_tokens,
-                         input_token_details={"cache_read": generation.cached_tokens})
+                         input_token_details={"cache_read": cache_read_tokens(generation)})
 
 
 def engine_messages(messages: Sequence[BaseMessage]) -> Messages:

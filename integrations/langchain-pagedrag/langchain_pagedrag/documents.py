@@ -9,7 +9,13 @@ from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import Field, model_validator
 
-from pagedrag.rag.canonical import DEFAULT_CHUNK_TEMPLATE, Chunk, PromptCanonicalizer
+from pagedrag.rag.canonical import (
+    DEFAULT_CHUNK_TEMPLATE,
+    REUSABLE_CHUNK_TEMPLATE,
+    Chunk,
+    PromptCanonicalizer,
+    normalize_text,
+)
 from pagedrag.rag.ordering import ChunkOrder, canonical_items, check_cache_aware
 
 from .chat_models import ChatPagedRAG
@@ -39,13 +45,24 @@ class CanonicalDocuments(RunnableSerializable[list[Document], list[Document]]):
     ``tokenizer`` (default: the embedded model's), counted as ``format_documents`` renders
     them, by the canonicalizer's rule: documents are kept while they fit, the first that
     does not is cut at a token boundary, the rest are dropped.
+
+    With ``llm`` and chunk reuse (``llm.chunk_reuse_possible``), the documents are told to
+    ``llm`` as retrieved chunks (``expect_chunks``): each one as ``format_reusable_documents``
+    renders it, and its text alone (as ``format_documents`` holds it). The model's calls then
+    pass the ones their prompt holds as ``chunks=``, so the engine cuts the prompt exactly
+    around each document, wherever it lands. Render them with ``format_reusable_documents``
+    (no index: a document renders the same at any position); budgets and cache-aware
+    probes then count that rendering::
+
+        context = retriever | CanonicalDocuments(llm=chat) | format_reusable_documents
     """
 
     order: ChunkOrder = "stable"
     max_context_tokens: int | None = Field(default=None, gt=0)
     tokenizer: Any = Field(default=None, exclude=True, description="A Hugging Face tokenizer.")
     llm: ChatPagedRAG | PagedRAGLLM | None = Field(default=None, exclude=True,
-                                                   description="The model whose cache 'cache_aware' asks.")
+                                                   description="The model whose cache 'cache_aware' asks, and "
+                                                               "which is told of the documents (chunk reuse).")
     prompt: BasePromptTemplate = Field(default=PAGEDRAG_RAG_PROMPT, exclude=True,
                                        description="The prompt the documents go into, as its 'context'.")
 
@@ -58,14 +75,27 @@ class CanonicalDocuments(RunnableSerializable[list[Document], list[Document]]):
         return self._call_with_config(self._order, input, config)
 
     def _order(self, documents: list[Document]) -> list[Document]:
-        return canonical_items(documents, _chunk, _with_text, self.order, max_tokens=self.max_context_tokens,
-                               tokenizer=self.tokenizer, chunk_template=DEFAULT_CHUNK_TEMPLATE,
-                               cached_len=self._cached_len)
+        ordered = canonical_items(documents, _chunk, _with_text, self.order, max_tokens=self.max_context_tokens,
+                                  tokenizer=self.tokenizer, chunk_template=self._chunk_template,
+                                  cached_len=self._cached_len)
+        if self._reusable:
+            self.llm.expect_chunks(text for document in ordered for text in _chunk_texts(document))
+        return ordered
+
+    @property
+    def _reusable(self) -> bool:
+        """Whether the documents go to a model that may reuse chunks."""
+        return self.llm is not None and self.llm.chunk_reuse_possible
+
+    @property
+    def _chunk_template(self) -> str:
+        return REUSABLE_CHUNK_TEMPLATE if self._reusable else DEFAULT_CHUNK_TEMPLATE
 
     def _cached_len(self, leading: list[Document]) -> int:
         """Cached tokens of the prompt whose context starts with these documents."""
         fields = dict.fromkeys(self.prompt.input_variables, "")
-        rendered = self.prompt.invoke({**fields, "context": format_documents(leading)})
+        context = _format(leading, self._chunk_template)
+        rendered = self.prompt.invoke({**fields, "context": context})
         return self.llm.cached_prefix_len(self.llm.engine_prompt(rendered))
 
 
@@ -73,9 +103,26 @@ def format_documents(documents: list[Document]) -> str:
     """The documents as the canonicalizer renders chunks, in the order given: one
     ``<document index=.. source=..>`` block each, on lines of their own (a prompt template
     adds the newline after the last)."""
-    rendered = PromptCanonicalizer(order="relevance", chunk_template=DEFAULT_CHUNK_TEMPLATE).build(
+    return _format(documents, DEFAULT_CHUNK_TEMPLATE)
+
+
+def format_reusable_documents(documents: list[Document]) -> str:
+    """``format_documents`` without the index: one ``<document source=..>`` block each
+    (``REUSABLE_CHUNK_TEMPLATE``), so that a document renders the same at any position, as
+    chunk reuse wants."""
+    return _format(documents, REUSABLE_CHUNK_TEMPLATE)
+
+
+def _format(documents: list[Document], chunk_template: str) -> str:
+    rendered = PromptCanonicalizer(order="relevance", chunk_template=chunk_template).build(
         "", [_chunk(d) for d in documents]).text
     return rendered.removesuffix("\n")
+
+
+def _chunk_texts(document: Document) -> tuple[str, str]:
+    """The texts of a document a prompt may hold verbatim: its ``format_reusable_documents``
+    block, and its text (normalized, as both formats hold it)."""
+    return format_reusable_documents([document]), normalize_text(document.page_content)
 
 
 def _chunk(document: Document) -> Chunk:

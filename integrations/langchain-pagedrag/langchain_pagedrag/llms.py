@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -11,10 +12,14 @@ from langchain_core.outputs import Generation as LCGeneration
 from langchain_core.outputs import GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
 
-from pagedrag.client import Generation
+from pagedrag.client import Generation, run_sync
 from pagedrag.sampling_params import SamplingParams
 
 from ._engine import LangChainSettings, generation_info, openai_logprobs
+
+# The figures llm_output["token_usage"] sums over the prompts
+_SUMMED = ("prompt_tokens", "completion_tokens", "cached_tokens", "prefix_cache_hits", "chunk_cache_hits",
+           "chunk_tokens_recomputed", "prompt_tokens_computed")
 
 
 class PagedRAGLLM(LangChainSettings, BaseLLM):
@@ -23,11 +28,14 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
 
     Same settings as ChatPagedRAG (ChatOpenAI's names; pagedrag.rag.aliases). Each
     generation's ``generation_info`` holds the finish reason and the request's figures
-    (prompt_tokens, completion_tokens, cached_tokens, cache_hit_rate; ``logprobs`` when
-    asked for); ``llm_output["token_usage"]`` sums them over the prompts. With n > 1 each
-    prompt has n generations. ``batch`` and ``generate`` submit every prompt before
+    (prompt_tokens, completion_tokens, cached_tokens, cache_hit_rate, prefix_cache_hits,
+    chunk_cache_hits, chunk_tokens_recomputed, prompt_tokens_computed; ``logprobs`` when
+    asked for); ``llm_output["token_usage"]`` sums the counts over the prompts. With n > 1
+    each prompt has n generations. ``batch`` and ``generate`` submit every prompt before
     collecting any (one engine batch); with ``streaming=True`` each prompt is streamed
-    instead (callbacks see every token).
+    instead (callbacks see every token). With chunk reuse, each prompt's call passes its
+    ``chunks`` (``call_chunks``: a call's ``chunks=`` keyword, else the documents
+    CanonicalDocuments(llm=this) told of that the prompt holds).
     """
 
     @property
@@ -39,22 +47,25 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
 
     def _generate(self, prompts: list[str], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
-        params = self.call_sampling(kwargs, stop)
+        params, chunks = self.call_sampling(kwargs, stop), self._prompt_chunks(prompts, kwargs)
         if self.streaming:
-            return self._result([self._streamed(prompt, params, run_manager) for prompt in prompts])
-        return self._result(self.client.batch(prompts, params, self.cache_salt))
+            return self._result([self._streamed(prompt, params, each, run_manager)
+                                 for prompt, each in zip(prompts, chunks)])
+        return self._result(run_sync(self._abatch(prompts, params, chunks)))
 
     async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
-        params = self.call_sampling(kwargs, stop)
+        params, chunks = self.call_sampling(kwargs, stop), self._prompt_chunks(prompts, kwargs)
         if self.streaming:
-            return self._result([await self._astreamed(prompt, params, run_manager) for prompt in prompts])
-        return self._result(await self.client.abatch(prompts, params, self.cache_salt))
+            return self._result([await self._astreamed(prompt, params, each, run_manager)
+                                 for prompt, each in zip(prompts, chunks)])
+        return self._result(await self._abatch(prompts, params, chunks))
 
     def _stream(self, prompt: str, stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
         params, usage = self.call_sampling(kwargs, stop), self.wants_stream_usage(kwargs)
-        for piece in self.client.stream(prompt, params, self.cache_salt):
+        chunks = self.call_chunks(prompt, kwargs.get("chunks"))
+        for piece in self.client.stream(prompt, params, self.cache_salt, chunks=chunks):
             chunk = self._chunk(piece, usage)
             if run_manager:
                 run_manager.on_llm_new_token(piece.text, chunk=chunk)
@@ -64,7 +75,8 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[GenerationChunk]:
         params, usage = self.call_sampling(kwargs, stop), self.wants_stream_usage(kwargs)
-        async for piece in self.client.astream(prompt, params, self.cache_salt):
+        chunks = self.call_chunks(prompt, kwargs.get("chunks"))
+        async for piece in self.client.astream(prompt, params, self.cache_salt, chunks=chunks):
             chunk = self._chunk(piece, usage)
             if run_manager:
                 await run_manager.on_llm_new_token(piece.text, chunk=chunk)
@@ -74,20 +86,41 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
         """A rendered prompt as this model sends it: its text."""
         return prompt.to_string()
 
-    def _streamed(self, prompt: str, params: SamplingParams,
+    def _prompt_chunks(self, prompts: list[str], kwargs: dict[str, Any]) -> list[Sequence[str] | None]:
+        """The ``chunks`` of each prompt's call (``call_chunks``)."""
+        return [self.call_chunks(prompt, kwargs.get("chunks")) for prompt in prompts]
+
+    async def _abatch(self, prompts: list[str], params: SamplingParams,
+                      chunks: list[Sequence[str] | None]) -> list[Generation]:
+        """Every prompt submitted before any is collected (one engine batch), results in
+        order. The client's abatch takes no chunks, so prompts with chunks go one
+        ``agenerate`` each, gathered; if one fails (or the caller gives up) the others are
+        aborted."""
+        if all(each is None for each in chunks):
+            return await self.client.abatch(prompts, params, self.cache_salt)
+        tasks = [asyncio.ensure_future(self.client.agenerate(prompt, params, self.cache_salt, chunks=each))
+                 for prompt, each in zip(prompts, chunks)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+
+    def _streamed(self, prompt: str, params: SamplingParams, chunks: Sequence[str] | None,
                   run_manager: CallbackManagerForLLMRun | None) -> Generation:
         """One prompt's generation through the stream, each piece reported as a new token."""
         pieces = []
-        for piece in self.client.stream(prompt, params, self.cache_salt):
+        for piece in self.client.stream(prompt, params, self.cache_salt, chunks=chunks):
             if run_manager:
                 run_manager.on_llm_new_token(piece.text, chunk=self._chunk(piece, True))
             pieces.append(piece)
         return Generation.joined(pieces)
 
-    async def _astreamed(self, prompt: str, params: SamplingParams,
+    async def _astreamed(self, prompt: str, params: SamplingParams, chunks: Sequence[str] | None,
                          run_manager: AsyncCallbackManagerForLLMRun | None) -> Generation:
         pieces = []
-        async for piece in self.client.astream(prompt, params, self.cache_salt):
+        async for piece in self.client.astream(prompt, params, self.cache_salt, chunks=chunks):
             if run_manager:
                 await run_manager.on_llm_new_token(piece.text, chunk=self._chunk(piece, True))
             pieces.append(piece)
@@ -96,8 +129,8 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
     def _result(self, wholes: list[Generation]) -> LLMResult:
         generations = [[LCGeneration(text=choice.text, generation_info=generation_info(choice, whole, self.model_label))
                         for choice in whole.choices] for whole in wholes]
-        usage = {key: sum(whole.cache_figures()[key] for whole in wholes)
-                 for key in ("prompt_tokens", "completion_tokens", "cached_tokens")}
+        usage = {key: sum(generation_info(whole, whole, self.model_label)[key] for whole in wholes)
+                 for key in _SUMMED}
         return LLMResult(generations=generations, llm_output={"token_usage": usage, "model_name": self.model_label})
 
     def _chunk(self, piece: Generation, with_usage: bool) -> GenerationChunk:

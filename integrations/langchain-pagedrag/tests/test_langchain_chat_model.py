@@ -9,7 +9,8 @@ from langchain_pagedrag import ChatPagedRAG
 from testing_support import ENGINE_KWARGS
 
 MESSAGES = [SystemMessage("You answer in one short sentence."), HumanMessage("What is the capital of France?")]
-FIGURES = {"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_hit_rate", "model_name"}
+FIGURES = {"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_hit_rate", "model_name",
+           "prefix_cache_hits", "chunk_cache_hits", "chunk_tokens_recomputed", "prompt_tokens_computed"}
 
 
 def test_invoke_reports_usage_and_cache_figures(chat):
@@ -21,6 +22,10 @@ def test_invoke_reports_usage_and_cache_figures(chat):
     assert usage["output_tokens"] == reply.response_metadata["completion_tokens"]
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     assert usage["input_token_details"]["cache_read"] == reply.response_metadata["cached_tokens"] > 0
+    assert reply.response_metadata["prefix_cache_hits"] == reply.response_metadata["cached_tokens"]
+    assert reply.response_metadata["chunk_cache_hits"] == 0  # chunk reuse is off
+    computed = usage["input_tokens"] - usage["input_token_details"]["cache_read"]
+    assert reply.response_metadata["prompt_tokens_computed"] == computed
     assert reply.response_metadata["model_name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 

@@ -10,7 +10,8 @@ from testing_support import ENGINE_KWARGS
 
 MESSAGES = [ChatMessage(role=MessageRole.SYSTEM, content="You answer in one short sentence."),
             ChatMessage(role=MessageRole.USER, content="What is the capital of France?")]
-FIGURES = {"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_hit_rate"}
+FIGURES = {"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_hit_rate",
+           "prefix_cache_hits", "chunk_cache_hits", "chunk_tokens_recomputed", "prompt_tokens_computed"}
 
 
 def test_metadata_describes_the_engine(llm):
@@ -29,7 +30,8 @@ def test_chat_reports_cache_figures_and_hits_on_a_repeat(llm):
     assert set(second.additional_kwargs) == FIGURES
     assert second.raw["usage"]["prompt_tokens_details"]["cached_tokens"] == second.additional_kwargs["cached_tokens"]
     assert second.additional_kwargs["prompt_tokens"] == first.additional_kwargs["prompt_tokens"]
-    assert second.additional_kwargs["cached_tokens"] > 0
+    assert second.additional_kwargs["cached_tokens"] == second.additional_kwargs["prefix_cache_hits"] > 0
+    assert second.additional_kwargs["chunk_cache_hits"] == 0  # chunk reuse is off
     assert second.additional_kwargs["cache_hit_rate"] == pytest.approx(
         second.additional_kwargs["cached_tokens"] / second.additional_kwargs["prompt_tokens"])
 

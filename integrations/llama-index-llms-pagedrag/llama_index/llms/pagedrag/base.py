@@ -28,7 +28,7 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.types import BasePydanticProgram, PydanticProgramMode
 
 from pagedrag.client import Prompt
-from pagedrag.rag.integration_settings import EngineSettings
+from pagedrag.rag.chunk_reuse_support import ChunkReuseSettings
 from pagedrag.sampling_params import SamplingParams
 
 from .messages import engine_messages
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class PagedRAG(EngineSettings, FunctionCallingLLM):
+class PagedRAG(ChunkReuseSettings, FunctionCallingLLM):
     """A pagedrag engine as a LlamaIndex chat LLM.
 
     ``PagedRAG()`` runs the embedded SmolLM2-135M-Instruct in process;
@@ -69,6 +69,15 @@ class PagedRAG(EngineSettings, FunctionCallingLLM):
     (with OpenAI's ``usage`` and all n ``choices``; see ``responses``); ``stats()``
     returns the engine's counters as ``pagedrag.LLM.stats()`` does. ``context_window``
     follows the engine's max_model_len unless given.
+
+    Chunk reuse (``enable_chunk_reuse=True``, ``chunk_recompute_fraction``: EngineArgs
+    fields, in ``engine_kwargs`` / ``vllm_kwargs`` or as arguments of their own; refused
+    with ``base_url``, whose server decides): a retrieved chunk's KV is reused wherever the
+    chunk lands. Every call takes ``chunks=[texts]``, the retrieved chunks its prompt holds,
+    for an exact cut; without it, the chunks CanonicalNodePostprocessor(llm=this) told of
+    (``expect_chunks``) that the prompt holds are passed, and otherwise the engine cuts the
+    prompt at blank lines. Responses report prefix_cache_hits, chunk_cache_hits,
+    chunk_tokens_recomputed and prompt_tokens_computed (see ``responses``).
 
     A FunctionCallingLLM (unless ``messages_to_prompt`` turns chats into text): tools go to
     the engine as OpenAI specs, and calls come back in the message's
@@ -132,24 +141,24 @@ class PagedRAG(EngineSettings, FunctionCallingLLM):
     # ---- chat ----------------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        prompt, params, tools = self._chat_request(messages, kwargs)
-        return chat_response(self.client.generate(prompt, params, self.cache_salt, **tools))
+        prompt, params, call = self._chat_request(messages, kwargs)
+        return chat_response(self.client.generate(prompt, params, self.cache_salt, **call))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        prompt, params, tools = self._chat_request(messages, kwargs)
-        pieces = self.client.stream(prompt, params, self.cache_salt, **tools)
+        prompt, params, call = self._chat_request(messages, kwargs)
+        pieces = self.client.stream(prompt, params, self.cache_salt, **call)
         return (chat_response(piece, text) for piece, text in running_text(pieces))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        prompt, params, tools = self._chat_request(messages, kwargs)
-        return chat_response(await self.client.agenerate(prompt, params, self.cache_salt, **tools))
+        prompt, params, call = self._chat_request(messages, kwargs)
+        return chat_response(await self.client.agenerate(prompt, params, self.cache_salt, **call))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        prompt, params, tools = self._chat_request(messages, kwargs)
-        pieces = self.client.astream(prompt, params, self.cache_salt, **tools)
+        prompt, params, call = self._chat_request(messages, kwargs)
+        pieces = self.client.astream(prompt, params, self.cache_salt, **call)
         return (chat_response(piece, text) async for piece, text in arunning_text(pieces))
 
     # ---- function calling ------------------------------------------------------------------
@@ -211,25 +220,26 @@ class PagedRAG(EngineSettings, FunctionCallingLLM):
     # ---- completion -----------------------------------------------------------------------
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        generation = self.client.generate(self._prompt(prompt, formatted), self.sampling(kwargs), self.cache_salt)
-        return completion_response(generation)
+        text, params, call = self._completion_request(prompt, formatted, kwargs)
+        return completion_response(self.client.generate(text, params, self.cache_salt, **call))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        pieces = self.client.stream(self._prompt(prompt, formatted), self.sampling(kwargs), self.cache_salt)
-        return (completion_response(piece, text) for piece, text in running_text(pieces))
+        text, params, call = self._completion_request(prompt, formatted, kwargs)
+        pieces = self.client.stream(text, params, self.cache_salt, **call)
+        return (completion_response(piece, so_far) for piece, so_far in running_text(pieces))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        generation = await self.client.agenerate(self._prompt(prompt, formatted), self.sampling(kwargs),
-                                                 self.cache_salt)
-        return completion_response(generation)
+        text, params, call = self._completion_request(prompt, formatted, kwargs)
+        return completion_response(await self.client.agenerate(text, params, self.cache_salt, **call))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
-        pieces = self.client.astream(self._prompt(prompt, formatted), self.sampling(kwargs), self.cache_salt)
-        return (completion_response(piece, text) async for piece, text in arunning_text(pieces))
+        text, params, call = self._completion_request(prompt, formatted, kwargs)
+        pieces = self.client.astream(text, params, self.cache_salt, **call)
+        return (completion_response(piece, so_far) async for piece, so_far in arunning_text(pieces))
 
     # ---- helpers ----------------------------------------------------------------------------
     def _prompt(self, prompt: str, formatted: bool) -> str:
@@ -251,7 +261,18 @@ class PagedRAG(EngineSettings, FunctionCallingLLM):
 
     def _chat_request(self, messages: Sequence[ChatMessage],
                       kwargs: dict[str, Any]) -> tuple[Prompt, SamplingParams, dict[str, Any]]:
-        """(prompt, sampling params, tool request) of a chat call: its keywords are the
-        tool request's (tools, tool_choice, parallel_tool_calls) or SamplingParams'."""
+        """(prompt, sampling params, the client's other keywords) of a chat call: its keywords
+        are the tool request's (tools, tool_choice, parallel_tool_calls), ``chunks`` or
+        SamplingParams'."""
         tools, sampling = split_tool_kwargs(kwargs)
-        return self._chat_prompt(messages), self.sampling(sampling), tools
+        prompt = self._chat_prompt(messages)
+        chunks = self.call_chunks(prompt, sampling.pop("chunks", None))
+        return prompt, self.sampling(sampling), {**tools, "chunks": chunks}
+
+    def _completion_request(self, prompt: str, formatted: bool,
+                            kwargs: dict[str, Any]) -> tuple[str, SamplingParams, dict[str, Any]]:
+        """(text, sampling params, the client's other keywords) of a completion call: its
+        keywords are ``chunks`` or SamplingParams'."""
+        text, sampling = self._prompt(prompt, formatted), dict(kwargs)
+        chunks = self.call_chunks(text, sampling.pop("chunks", None))
+        return text, self.sampling(sampling), {"chunks": chunks}

@@ -33,12 +33,21 @@ class CanonicalNodePostprocessor(BaseNodePostprocessor):
     kept while they fit, the first that does not is cut at a token boundary, the rest are
     dropped. (Without it, LlamaIndex's response synthesizer splits what does not fit the
     LLM's context window across refine calls.)
+
+    With ``llm`` (a PagedRAG), the nodes' texts, as LlamaIndex's response synthesizer packs
+    them into context_str (``_packed_text``), are told to it as retrieved chunks
+    (``PagedRAG.expect_chunks``; a no-op unless chunk reuse may be on), so its calls pass
+    them as ``chunks=`` and the engine cuts the prompt exactly around each node, wherever it
+    lands. LlamaIndex joins the nodes without numbering them, so a node renders the same
+    at any position.
     """
 
     order: ChunkOrder = Field(default="stable")
     max_context_tokens: int | None = Field(default=None, gt=0)
     tokenizer: Any = Field(default=None, exclude=True, description="A Hugging Face tokenizer.")
-    llm: PagedRAG | None = Field(default=None, exclude=True, description="The LLM whose cache 'cache_aware' asks.")
+    llm: PagedRAG | None = Field(default=None, exclude=True,
+                                 description="The LLM whose cache 'cache_aware' asks, and which is told of the "
+                                             "nodes as retrieved chunks (chunk reuse).")
     qa_template: BasePromptTemplate = Field(default=PAGEDRAG_QA_TEMPLATE, exclude=True,
                                             description="The query engine's text_qa_template.")
 
@@ -53,8 +62,11 @@ class CanonicalNodePostprocessor(BaseNodePostprocessor):
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore],
                            query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
-        return canonical_items(nodes, _chunk, _with_text, self.order, max_tokens=self.max_context_tokens,
-                               tokenizer=self.tokenizer, cached_len=self._cached_len)
+        ordered = canonical_items(nodes, _chunk, _with_text, self.order, max_tokens=self.max_context_tokens,
+                                  tokenizer=self.tokenizer, cached_len=self._cached_len)
+        if self.llm is not None:
+            self.llm.expect_chunks(_packed_text(node) for node in ordered)
+        return ordered
 
     def _cached_len(self, leading: list[NodeWithScore]) -> int:
         """Cached tokens of the QA prompt whose context starts with these nodes."""
@@ -65,8 +77,13 @@ class CanonicalNodePostprocessor(BaseNodePostprocessor):
 
 def _context(nodes: list[NodeWithScore]) -> str:
     """The nodes' texts as LlamaIndex's response synthesizer packs them into context_str."""
-    texts = (n.node.get_content(metadata_mode=MetadataMode.LLM).strip() for n in nodes)
-    return "\n\n".join(text for text in texts if text)
+    return "\n\n".join(text for text in map(_packed_text, nodes) if text)
+
+
+def _packed_text(scored: NodeWithScore) -> str:
+    """A node's text as LlamaIndex's response synthesizer packs it: its content with its
+    LLM metadata, stripped."""
+    return scored.node.get_content(metadata_mode=MetadataMode.LLM).strip()
 
 
 def _chunk(scored: NodeWithScore) -> Chunk:

@@ -2,9 +2,12 @@
 
 Invariants: a whole response (and the last piece of a stream) carries the request's token
 counts twice: flat in ``additional_kwargs`` (finish_reason, prompt_tokens,
-completion_tokens, cached_tokens, cache_hit_rate) and in ``raw`` next to OpenAI's
+completion_tokens, cached_tokens, cache_hit_rate, and where the prompt tokens came from:
+prefix_cache_hits (= cached_tokens), chunk_cache_hits, chunk_tokens_recomputed,
+prompt_tokens_computed; see ``chunk_reuse_figures``) and in ``raw`` next to OpenAI's
 ``usage`` object (prompt_tokens, completion_tokens, total_tokens,
-prompt_tokens_details.cached_tokens), which LlamaIndex's TokenCountingHandler reads.
+prompt_tokens_details.cached_tokens and the chunk figures), which LlamaIndex's
+TokenCountingHandler reads.
 ``raw["choices"]`` holds every one of the n completions; the response's text is the first.
 Earlier pieces of a stream carry no counts (raw None, additional_kwargs empty). Tool calls
 are the message's (``message.additional_kwargs["tool_calls"]``), never the response's.
@@ -18,6 +21,7 @@ from typing import Any
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, CompletionResponse, LogProb, MessageRole
 
 from pagedrag.client import Generation, TokenLogprob
+from pagedrag.rag.chunk_reuse_support import chunk_reuse_figures
 
 
 def completion_response(generation: Generation, text: str | None = None) -> CompletionResponse:
@@ -56,7 +60,7 @@ def _details(generation: Generation) -> dict[str, Any]:
     logprobs = None if generation.logprobs is None else [_position(entry) for entry in generation.logprobs]
     if generation.finish_reason is None:
         return {"raw": None, "additional_kwargs": {}, "logprobs": logprobs}
-    figures = generation.cache_figures()
+    figures = {**generation.cache_figures(), **chunk_reuse_figures(generation)}
     choices = [{"index": index, "text": choice.text, "finish_reason": choice.finish_reason}
                for index, choice in enumerate(generation.choices)]
     return {"raw": {**figures, "usage": generation.usage(), "choices": choices},

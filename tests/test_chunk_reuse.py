@@ -1,0 +1,143 @@
+"""Chunk reuse (core.chunk_cache) and in-step prefix sharing, on the embedded model.
+
+The exact path is the reference: with every token of a reused chunk recomputed the outputs
+are the full prefill's token for token; with chunk reuse off prompt_segments change nothing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedrag import LLM, SamplingParams
+from pagedrag.kernels import reference
+from pagedrag.rag.canonical import REUSABLE_CHUNK_TEMPLATE, PromptCanonicalizer
+from pagedrag.rag.corpus import stdlib_chunks
+from pagedrag.worker.chunk_moves import rotate_keys
+
+ENGINE = {"max_model_len": 2048, "kv_cache_memory_bytes": 192 << 20}
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+SYSTEM = "You answer from the documents below.\n"
+
+
+def _prompts(count: int = 6, seed: int = 0) -> list[list[str]]:
+    """RAG prompts as segments: the system prompt, 3 of 8 chunks in varied order, a question."""
+    chunks = [c.text + "\n" for c in stdlib_chunks(max_chars=400, limit=8)]
+    rng = random.Random(seed)
+    return [[SYSTEM, *rng.sample(chunks, 3), f"Question {i}: what is described first?\nAnswer:"]
+            for i in range(count)]
+
+
+def _run(llm: LLM, prompts: list[list[str]]):
+    return [llm.generate({"prompt_segments": p}, GREEDY, use_tqdm=False)[0] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def exact():
+    llm = LLM(**ENGINE)
+    return llm, _run(llm, _prompts())
+
+
+@pytest.mark.parametrize("strategy", ["deviation", "first"])
+def test_recomputing_every_token_matches_full_prefill(exact, strategy):
+    _, reference_outputs = exact
+    llm = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_fraction=1.0, chunk_recompute_strategy=strategy)
+    outputs = _run(llm, _prompts())
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference_outputs]
+    assert sum(o.num_recomputed_tokens for o in outputs) > 0  # chunks were imported, then recomputed
+    assert llm.llm_engine.kv.pool.num_free == llm.llm_engine.kv.pool.num_blocks
+
+
+def test_segments_without_chunk_reuse_are_the_whole_prompt(exact):
+    llm, reference_outputs = exact
+    whole = llm.generate([{"prompt_token_ids": o.prompt_token_ids} for o in reference_outputs], GREEDY,
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in whole] == [o.outputs[0].token_ids for o in reference_outputs]
+    assert all(o.num_chunk_hit_tokens == 0 for o in reference_outputs)
+
+
+def test_reuse_counts_add_up_and_the_prefix_cache_stays_exact():
+    llm = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_fraction=0.0)
+    first, second = (c.text + "\n" for c in stdlib_chunks(max_chars=400, limit=2))
+    outputs = _run(llm, [[SYSTEM, first, second, "Question: which module?\nAnswer:"],
+                         [SYSTEM, second, first, "Question: which class?\nAnswer:"]])
+    stats = llm.stats()
+    assert outputs[0].num_chunk_hit_tokens == 0 and outputs[1].num_chunk_hit_tokens > 0
+    assert stats["chunk_cache_hits"] == outputs[1].num_chunk_hit_tokens and stats["chunk_tokens_recomputed"] == 0
+    assert stats["prompt_tokens_total"] == (stats["prefix_cache_hits"] + stats["chunk_cache_hits"]
+                                            + stats["prompt_tokens_computed"])
+    # The reordered prompt's KV is approximate from its first chunk on: none of it may serve
+    # exact prefix hits.
+    head = len(llm.get_tokenizer().encode(SYSTEM))
+    assert llm.llm_engine.cached_prefix_len(outputs[1].prompt_token_ids) <= head
+
+
+def test_chunk_reuse_survives_preemption_and_aborts():
+    llm = LLM(max_model_len=1024, num_gpu_blocks_override=120, enable_chunk_reuse=True, max_num_seqs=8)
+    engine = llm.llm_engine
+    prompts = _prompts(8, seed=1)
+    for number, prompt in enumerate(prompts):
+        engine.add_request(str(number), {"prompt_segments": prompt}, SamplingParams(temperature=0, max_tokens=24))
+    engine.step()
+    engine.abort_request("3")
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert all(output.error is None for output in finished.values())
+    engine.kv.pool.check_invariants()
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+def test_requests_admitted_together_share_the_prefix_they_compute():
+    llm = LLM(**ENGINE)
+    shared = " ".join(c.text for c in stdlib_chunks(limit=3))
+    prompts = [f"{shared}\nQuestion {i}: summarize." for i in range(4)]
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
+    llm.reset_prefix_cache()
+    together = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    assert together[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= len(llm.get_tokenizer().encode(shared)) - 16 for o in together[1:])
+
+
+def test_rotating_a_key_moves_it_to_its_new_position():
+    llm = LLM(max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    model = llm.llm_engine.runner.model
+    rotary, head_dim = model.model.rotary, model.head_dim
+    keys, queries = torch.randn(5, 2 * head_dim), torch.randn(5, 2 * head_dim)
+    positions, deltas = torch.tensor([3, 10, 50, 100, 7]), torch.tensor([40, -5, 300, 1, 0])
+    _, at_old = reference.rotary_embedding(queries, keys, positions, rotary.cos_sin_cache, head_dim)
+    _, at_new = reference.rotary_embedding(queries, keys, positions + deltas, rotary.cos_sin_cache, head_dim)
+    moved = rotate_keys(at_old.view(5, 2, head_dim), deltas, rotary.inv_freq)
+    torch.testing.assert_close(moved, at_new.view(5, 2, head_dim), atol=1e-4, rtol=1e-4)
+
+
+def test_canonical_segments_are_the_prompt_tokens(exact):
+    llm, _ = exact
+    canonicalizer = PromptCanonicalizer("Be brief.", tokenizer=llm.get_tokenizer(),
+                                        chunk_template=REUSABLE_CHUNK_TEMPLATE)
+    chunks = [(c.source_id, c.text) for c in stdlib_chunks(limit=4)]
+    prompt = canonicalizer.build("What is argparse?", chunks, volatile={"date": "2026-12-01"})
+    assert [t for segment in prompt.segments for t in segment["token_ids"]] == prompt.token_ids
+    assert [segment["reusable"] for segment in prompt.segments] == [False, True, True, True, True, False]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([], "non-empty list"),
+    ("text", "non-empty list"),
+    ([{"token_ids": "abc"}], "token-id list"),
+    ([{"text": "a", "token_ids": [1]}], "exactly one"),
+    ([{"text": "a", "reusable": "yes"}], "true or false"),
+    (["a", [1, "x"]], "prompt_segments\\[1\\]"),
+    ([3.5], "prompt_segments\\[0\\]"),
+])
+def test_malformed_segments_are_refused_by_name(exact, bad, message):
+    llm, _ = exact
+    with pytest.raises((ValueError, TypeError), match=message):
+        llm.generate({"prompt_segments": bad}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="not both"):
+        llm.generate({"prompt_segments": ["a"], "prompt": "a"}, GREEDY, use_tqdm=False)

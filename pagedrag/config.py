@@ -60,9 +60,9 @@ class EngineArgs:
                                           "prompt_segments (approximate: see the README's tuning guide)")
     chunk_recompute_fraction: float = _arg(0.15, "with enable_chunk_reuse: share of each reused chunk's tokens "
                                                  "computed again with the full context")
-    chunk_recompute_strategy: str = _arg("deviation", "which tokens of a reused chunk are computed again: "
-                                                      "deviation (those whose KV moves most at an early layer, "
-                                                      "as CacheBlend) or first (its first ones, as EPIC)")
+    chunk_recompute_strategy: str = _arg("first", "which tokens of a reused chunk are computed again: "
+                                                  "first (its first ones, as EPIC) or deviation (those whose KV "
+                                                  "moves most at an early layer, as CacheBlend)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps so decodes keep running")
     preemption_mode: str = _arg("recompute", "what a full pool does to the newest request: recompute "
                                              "(free its blocks) or swap (copy them to CPU memory)")

@@ -139,7 +139,7 @@ class ModelRunner:
     """The device side of a step: model, KV cache tensors, CUDA graphs and the sampler."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCacheTensors, block_size: int,
-                 device: torch.device, eos_token_id: int | None = None, recompute_strategy: str = "deviation"):
+                 device: torch.device, eos_token_id: int | None = None, recompute_strategy: str = "first"):
         self.model = model
         self.recompute_strategy = recompute_strategy  # chunk reuse: worker.recompute_selection
         self.cache = cache

@@ -5,7 +5,8 @@ RoPE turns a key at position p into R(p) k, with R a rotation per pair of dimens
 neox halves: dimension i with i + head_dim / 2, angle p * inv_freq[i]), so a key moved by
 d positions is R(d) applied to the stored key; any attention scaling already in the stored
 key is kept. The rotation runs in float32 and rounds once into the cache's dtype. The
-same torch ops run on CPU and CUDA: a move is a gather, a rotation and a scatter per layer.
+same torch ops run on CPU and CUDA: a batch of moves is one gather, rotation and scatter over
+every layer at once (the cache is one tensor: worker.kv_cache).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def rotation(deltas: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor
 
 
 def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """keys [N, heads, head_dim] (any float dtype) -> float32 keys rotated by (cos, sin)."""
+    """keys [..., N, heads, head_dim] (any float dtype) -> float32 keys rotated by (cos, sin)."""
     half = keys.shape[-1] // 2
     first, second = keys[..., :half].float(), keys[..., half:].float()
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
@@ -35,18 +36,17 @@ def rotate_keys(keys: torch.Tensor, deltas: torch.Tensor, inv_freq: torch.Tensor
 
 
 @torch.inference_mode()
-def apply_kv_moves(layers: list[tuple[torch.Tensor, torch.Tensor]], inv_freq: torch.Tensor,
-                   moves: list[KVMove]) -> None:
-    """Run ``moves`` on every layer's (k_cache, v_cache) [blocks, block_size, heads, dim]."""
+def apply_kv_moves(pool: torch.Tensor, inv_freq: torch.Tensor, moves: list[KVMove]) -> None:
+    """Run ``moves`` on the whole cache ``pool`` [layers, 2 (K, V), blocks, block_size, heads,
+    dim], every layer at once."""
     if not moves:
         return
-    device = layers[0][0].device
+    device = pool.device
     src = host_to_device([slot for move in moves for slot in move.src_slots], torch.int64, device)
     dst = host_to_device([slot for move in moves for slot in move.dst_slots], torch.int64, device)
     deltas = host_to_device([move.delta for move in moves for _ in move.src_slots], torch.int64, device)
     cos, sin = rotation(deltas, inv_freq)
-    for k_cache, v_cache in layers:
-        keys = k_cache.view(-1, *k_cache.shape[2:])
-        values = v_cache.view(-1, *v_cache.shape[2:])
-        keys.index_copy_(0, dst, rotate(keys.index_select(0, src), cos, sin).to(keys.dtype))
-        values.index_copy_(0, dst, values.index_select(0, src))
+    slots = pool.view(pool.shape[0], 2, -1, *pool.shape[4:])  # [layers, K/V, slots, heads, dim]
+    keys, values = slots[:, 0], slots[:, 1]
+    keys.index_copy_(1, dst, rotate(keys.index_select(1, src), cos, sin).to(pool.dtype))
+    values.index_copy_(1, dst, values.index_select(1, src))

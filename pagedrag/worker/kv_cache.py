@@ -35,24 +35,30 @@ class CacheShape:
         return int(num_bytes // self.bytes_per_block)
 
 
-def _allocate_layers(shape: CacheShape, num_blocks: int, device: torch.device,
-                     pin: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    return [(torch.empty(dims, dtype=shape.dtype, device=device, pin_memory=pin),
-             torch.empty(dims, dtype=shape.dtype, device=device, pin_memory=pin))
-            for _ in range(shape.num_layers)]
+def _allocate(shape: CacheShape, num_blocks: int, device: torch.device, pin: bool = False) -> torch.Tensor:
+    """One tensor [layers, 2 (K, V), blocks, block_size, kv_heads, head_dim] for the whole cache."""
+    dims = (shape.num_layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    return torch.empty(dims, dtype=shape.dtype, device=device, pin_memory=pin)
+
+
+def _layers(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) views of a cache tensor: contiguous [blocks, block_size, heads, dim]."""
+    return [(layer[0], layer[1]) for layer in pool]
 
 
 class KVCacheTensors:
-    """The paged cache on the device plus the CPU swap space."""
+    """The paged cache on the device plus the CPU swap space. ``device_pool`` holds every
+    layer's K and V in one tensor (so a move across all layers is one indexing op);
+    ``device_layers`` are its per-layer (K, V) views, which the model and kernels take."""
 
     def __init__(self, shape: CacheShape, num_blocks: int, num_cpu_blocks: int,
                  device: torch.device, ops: ModuleType):
         self.shape = shape
         self.ops = ops
-        self.device_layers = _allocate_layers(shape, num_blocks, device)
+        self.device_pool = _allocate(shape, num_blocks, device)
+        self.device_layers = _layers(self.device_pool)
         pin = device.type == "cuda"
-        self.cpu_layers = _allocate_layers(shape, num_cpu_blocks, torch.device("cpu"), pin)
+        self.cpu_layers = _layers(_allocate(shape, num_cpu_blocks, torch.device("cpu"), pin))
 
     def apply(self, copies: list[tuple[int, int]], swaps: SwapPlan) -> None:
         """Run a step's block moves: swap-outs, then swap-ins, then copy-on-write copies."""

@@ -261,7 +261,7 @@ class ModelRunner:
     def _move_kv(self, moves: list) -> None:
         """Chunk reuse's copies (worker.chunk_moves), on the model's rotary frequencies."""
         if moves:
-            apply_kv_moves(self.cache.device_layers, self.model.model.rotary.inv_freq, moves)
+            apply_kv_moves(self.cache.device_pool, self.model.model.rotary.inv_freq, moves)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, wanted: list[PromptRows]) -> list:
         if not wanted:

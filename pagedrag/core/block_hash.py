@@ -56,14 +56,17 @@ _CHUNK_DOMAIN = b"pagedrag/kv-chunk/v1"
 _TAG_CHUNK_BLOCK = b"C"
 
 
-def chunk_key(model_id: str, cache_salt: str | None, head_token_ids: Sequence[int],
-              chunk_token_ids: Sequence[int]) -> BlockHash:
+def head_digest(head_token_ids: Sequence[int]) -> bytes:
+    """The hash of a prompt's head (the tokens its chunks were computed after)."""
+    return hashlib.sha256(array("q", head_token_ids).tobytes()).digest()
+
+
+def chunk_key(model_id: str, cache_salt: str | None, head: bytes, chunk_token_ids: Sequence[int]) -> BlockHash:
     """What a reusable chunk's KV depends on, independent of where the chunk lands: the model,
-    the tenant's salt, the head (system prompt) it was computed after, and its own tokens."""
+    the tenant's salt, the head it was computed after (``head_digest``), and its own tokens."""
     digest = hashlib.sha256(_CHUNK_DOMAIN)
     salt = b"" if cache_salt is None else _TAG_CACHE_SALT + cache_salt.encode("utf-8")
-    for part in (model_id.encode("utf-8"), salt, array("q", head_token_ids).tobytes(),
-                 array("q", chunk_token_ids).tobytes()):
+    for part in (model_id.encode("utf-8"), salt, head, array("q", chunk_token_ids).tobytes()):
         digest.update(_length_prefixed(part))
     return digest.digest()
 

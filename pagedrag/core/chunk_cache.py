@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pagedrag.core.block_hash import BlockHash, chunk_block_hashes, chunk_key
+from pagedrag.core.block_hash import BlockHash, chunk_block_hashes, chunk_key, head_digest
 from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 from pagedrag.core.request import PromptSegment, Request
 
@@ -120,8 +120,11 @@ class ChunkCache:
     # ---- lookup -----------------------------------------------------------------------
     def _hashes(self, request: Request, index: int) -> list[BlockHash]:
         if index not in request.chunk_hashes:
-            head, chunk = request.segments[0], request.segments[index]
-            key = chunk_key(self.model_id, request.cache_salt, request.token_ids[head.start:head.end],
+            if request.head_hash is None:
+                head = request.segments[0]
+                request.head_hash = head_digest(request.token_ids[head.start:head.end])
+            chunk = request.segments[index]
+            key = chunk_key(self.model_id, request.cache_salt, request.head_hash,
                             request.token_ids[chunk.start:chunk.end])
             request.chunk_hashes[index] = chunk_block_hashes(
                 key, request.token_ids[chunk.start:chunk.end], self.block_size)

@@ -78,7 +78,8 @@ class Request:
     # Chunk reuse (core.chunk_cache): KV is exact below exact_prefix_len (None: everywhere).
     exact_prefix_len: int | None = None
     imported_segments: set[int] = field(default_factory=set)
-    chunk_hashes: dict[int, list[BlockHash]] = field(default_factory=dict)
+    head_hash: bytes | None = None  # of segment 0, which every chunk key includes
+    chunk_hashes: dict[int, list[BlockHash]] = field(default_factory=dict)  # by segment index
     num_chunk_hit_tokens: int = 0  # prompt tokens whose KV came from the chunk cache (first scheduling)
     num_recomputed_tokens: int = 0  # tokens of imported chunks computed again (first scheduling)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))

@@ -152,7 +152,7 @@ class Scheduler:
         the exports of the reusable chunks it completes."""
         item = ScheduledRequest(request, num_new_tokens, self.kv.block_ids(request), plan.runs if plan else [],
                                 imports or [], plan.recompute if plan else [])
-        if self.kv.chunks is not None and request.segments:
+        if self.kv.chunks is not None and request.segments and request.num_computed_tokens < request.num_prompt_tokens:
             item.exports = self.kv.chunks.plan_exports(request, request.num_computed_tokens, item.end,
                                                        self.kv.tables[request.request_id])
         return item

@@ -32,8 +32,11 @@
 #
 # Readouts: cached tokens and hit rate per query, the running hit rate, time to first token
 # (TTFT), KV-cache usage and preemptions; KV blocks in use step by step while a batch runs; and
-# the prefix-miss explainer on a prompt broken on purpose. Answers are kept to a few tokens: the
-# model is tiny and the point is the cache, not the answers.
+# the prefix-miss explainer on a prompt broken on purpose; then a few of the questions on an
+# engine with chunk reuse (a retrieved chunk's KV reused wherever it lands in the prompt): the
+# share of prompt tokens served by prefix hits, by chunk hits and computed, and how far its
+# answers stay from exact prefill. Answers are kept to a few tokens: the model is tiny and the
+# point is the cache, not the answers.
 #
 # The source is `examples/rag_notebook.py` (jupytext percent format); rebuild and rerun with
 # `python examples/build_notebook.py` (a few minutes on 2 CPU cores).
@@ -573,7 +576,158 @@ for query, ids in zip(QUERIES[:3], li_sets[:3]):
 print(f"{len(structured)} structured replies, all valid")
 
 # %% [markdown]
-# ## 9. The figures in one file
+# ## 9. Chunk reuse: a retrieved chunk's KV wherever it lands
+#
+# Prefix caching serves a chunk only when everything before it is the same; in retriever order
+# the same chunks keep coming back at other places. With `enable_chunk_reuse=True` the engine
+# caches each retrieved chunk's KV on its own and reuses it at any position: the keys are
+# rotated to the new positions and a share of the chunk's tokens (`chunk_recompute_fraction`,
+# 15%, its first ones) is computed again so that it attends to its new neighbours. The rest
+# keeps the KV of the prompt the chunk was first computed in, so the answers are approximate.
+#
+# Five of the questions (1, 2, 3, 5 and 6 of section 3: averages, medians, quantiles; their
+# top-4 sets share chunks in other orders) run on two fresh engines, question by question:
+# prefix caching only (exact, the reference) and chunk reuse. The prompts are the same tokens
+# for both, built by `PromptCanonicalizer` in the retriever's order with
+# `REUSABLE_CHUNK_TEMPLATE` (a chunk renders the same wherever it lands) and passed as
+# `{"prompt_segments": prompt.segments}`: the head (system prompt), one reusable segment per
+# chunk, the question. Per arm, the share of prompt tokens served by prefix hits, served by
+# chunk hits, and computed (of which the recomputed chunk tokens); per question, whether the
+# chunk-reuse answer starts with the same token as the exact one and matches it for all its
+# tokens (greedy decoding, so any difference comes from the reused KV).
+
+# %%
+from pagedrag.rag.canonical import REUSABLE_CHUNK_TEMPLATE
+
+REUSE_QUESTIONS = [1, 2, 3, 5, 6]  # numbers of section 3
+REUSE_KWARGS = {"max_model_len": 2048, "num_gpu_blocks_override": 320}  # room for every prompt: no eviction
+ARMS = {"prefix caching only": {},
+        "chunk reuse": {"enable_chunk_reuse": True, "chunk_recompute_fraction": 0.15,
+                        "chunk_recompute_strategy": "first"}}
+COUNTERS = ("prompt_tokens_total", "prefix_cache_hits", "chunk_cache_hits", "chunk_tokens_recomputed",
+            "prompt_tokens_computed")
+reuse_params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)  # greedy: the arms differ only in the KV
+reuse_started, reuse_cpu_started = time.perf_counter(), time.process_time()
+reuse_llm = {arm: LLM(**REUSE_KWARGS, **kwargs) for arm, kwargs in ARMS.items()}
+reusable = PromptCanonicalizer(RAG_SYSTEM_PROMPT, order="relevance", chunk_template=REUSABLE_CHUNK_TEMPLATE,
+                               tokenizer=reuse_llm["chunk reuse"].get_tokenizer())
+reuse_prompts = [reusable.build(QUERIES[n - 1], retrieved[n - 1]) for n in REUSE_QUESTIONS]
+
+counters_before = {arm: llm.stats() for arm, llm in reuse_llm.items()}
+answers = {arm: [] for arm in ARMS}
+for prompt in reuse_prompts:  # both arms take each question before the next comes
+    for arm, llm in reuse_llm.items():
+        answers[arm].append(llm.generate({"prompt_segments": prompt.segments}, reuse_params, use_tqdm=False)[0])
+reuse_totals = {arm: {name: llm.stats()[name] - counters_before[arm][name] for name in COUNTERS}
+                for arm, llm in reuse_llm.items()}
+reuse_wall_s, reuse_cpu_s = time.perf_counter() - reuse_started, time.process_time() - reuse_cpu_started
+del reuse_llm  # two engines fewer for the rest of the run
+
+print("retrieved chunks, in the prompt's order:")
+for n, prompt in zip(REUSE_QUESTIONS, reuse_prompts):
+    print(f"{n:>3} {', '.join(c.source_id.removeprefix('statistics.') for c in prompt.chunks)}")
+print(f"\n{'#':>3} {'arm':<20} {'prompt':>6} {'prefix hits':>11} {'chunk hits':>10} {'recomputed':>10}  answer")
+for n, *outputs in zip(REUSE_QUESTIONS, *answers.values()):
+    for arm, output in zip(ARMS, outputs):
+        print(f"{n:>3} {arm:<20} {len(output.prompt_token_ids):>6} {output.num_cached_tokens:>11} "
+              f"{output.num_chunk_hit_tokens:>10} {output.num_recomputed_tokens:>10}  "
+              f"{' '.join(output.outputs[0].text.split())[:40]}")
+
+# %% [markdown]
+# ### Where the prompt tokens came from, and what it did to the answers
+
+# %%
+def token_shares(totals):
+    """Shares of the prompt tokens: prefix hits + chunk hits + computed = 1; recomputed is part of computed."""
+    total = totals["prompt_tokens_total"]
+    return {"prefix_hits": totals["prefix_cache_hits"] / total, "chunk_hits": totals["chunk_cache_hits"] / total,
+            "computed": totals["prompt_tokens_computed"] / total,
+            "recomputed": totals["chunk_tokens_recomputed"] / total}
+
+
+reuse_shares = {arm: token_shares(totals) for arm, totals in reuse_totals.items()}
+print(f"{'arm':<20} {'prompt tokens':>13} {'prefix hits':>11} {'chunk hits':>10} {'computed':>8} "
+      f"{'of which recomputed':>19}")
+for arm, shares in reuse_shares.items():
+    print(f"{arm:<20} {reuse_totals[arm]['prompt_tokens_total']:>13} {shares['prefix_hits']:>11.1%} "
+          f"{shares['chunk_hits']:>10.1%} {shares['computed']:>8.1%} {shares['recomputed']:>19.1%}")
+
+agreement = []
+for n, exact, reused in zip(REUSE_QUESTIONS, answers["prefix caching only"], answers["chunk reuse"]):
+    exact_ids, reused_ids = list(exact.outputs[0].token_ids), list(reused.outputs[0].token_ids)
+    agreement.append({"question": n, "chunk_hit_tokens": reused.num_chunk_hit_tokens,
+                      "recomputed_tokens": reused.num_recomputed_tokens,
+                      "first_token_match": reused_ids[:1] == exact_ids[:1],
+                      "exact_match": reused_ids[:MAX_TOKENS] == exact_ids[:MAX_TOKENS],
+                      "exact_answer": exact.outputs[0].text, "reuse_answer": reused.outputs[0].text})
+print(f"\n{'#':>3} {'chunk hits':>10} {'first token':>11} {f'first {MAX_TOKENS} tokens':>15}  exact | chunk reuse")
+for a in agreement:
+    print(f"{a['question']:>3} {a['chunk_hit_tokens']:>10} {'same' if a['first_token_match'] else 'differs':>11} "
+          f"{'same' if a['exact_match'] else 'differ':>15}  {' '.join(a['exact_answer'].split())[:34]!r} | "
+          f"{' '.join(a['reuse_answer'].split())[:34]!r}")
+with_hits = [a for a in agreement if a["chunk_hit_tokens"]]
+first_token_agreement = statistics.mean(a["first_token_match"] for a in with_hits)
+exact_match_rate = statistics.mean(a["exact_match"] for a in with_hits)
+print(f"\nover the {len(with_hits)} questions that reused a chunk: first-token agreement "
+      f"{first_token_agreement:.0%}, first {MAX_TOKENS} tokens identical {exact_match_rate:.0%} "
+      f"(the exact answers are the prefix-only engine's)")
+
+# %%
+SEGMENTS = {"prefix_hits": ("prefix hits", "#4c72b0"), "chunk_hits": ("chunk hits", "#2a9d8f"),
+            "fresh": ("computed: the rest", "#9e9e9e"), "recomputed": ("computed: chunk tokens recomputed", "#e4572e")}
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [1, 1.3]})
+for row, (arm, shares) in enumerate(reuse_shares.items()):
+    parts = {**shares, "fresh": shares["computed"] - shares["recomputed"]}
+    left = 0.0
+    for key in ("prefix_hits", "chunk_hits", "recomputed", "fresh"):
+        label, color = SEGMENTS[key]
+        axes[0].barh(row, 100 * parts[key], left=left, color=color, label=label if row == 0 else None)
+        if parts[key] >= 0.06:
+            axes[0].text(left + 50 * parts[key], row, f"{parts[key]:.0%}", ha="center", va="center", fontsize=8)
+        left += 100 * parts[key]
+axes[0].set_yticks(range(len(reuse_shares)), list(reuse_shares))
+axes[0].invert_yaxis()
+axes[0].set_xlim(0, 100)
+axes[0].set_xlabel(f"% of the prompt tokens ({len(REUSE_QUESTIONS)} questions)")
+axes[0].set_title("where the prompt tokens came from")
+axes[0].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2)
+
+width = 0.38
+for offset, (arm, outputs) in zip((-width / 2, width / 2), answers.items()):
+    computed = [len(o.prompt_token_ids) - o.num_cached_tokens - o.num_chunk_hit_tokens for o in outputs]
+    axes[1].bar([i + offset for i in range(len(outputs))], computed, width,
+                color="#9e9e9e" if arm == "prefix caching only" else "#2a9d8f", label=arm)
+for i, (a, reused) in enumerate(zip(agreement, answers["chunk reuse"])):
+    mark = "same" if a["exact_match"] else ("1st token\nsame" if a["first_token_match"] else "differs")
+    axes[1].text(i + width / 2, len(reused.prompt_token_ids) - reused.num_cached_tokens
+                 - reused.num_chunk_hit_tokens + 8, mark, ha="center", va="bottom", fontsize=7)
+axes[1].set_xticks(range(len(REUSE_QUESTIONS)), [f"question {n}" for n in REUSE_QUESTIONS], fontsize=8)
+axes[1].set_ylim(0, 1.3 * max(len(o.prompt_token_ids) for o in answers["prefix caching only"]))
+axes[1].set_ylabel("prompt tokens computed")
+axes[1].set_title(f"per question; labels: chunk-reuse answer vs exact ({MAX_TOKENS} tokens)", fontsize=10)
+axes[1].legend(fontsize=8, loc="upper right")
+axes[1].grid(axis="y", alpha=0.3)
+fig.tight_layout()
+save_figure(fig, "chunk_reuse.png")
+
+# %% [markdown]
+# With prefix caching only, a question hits the cache up to its first chunk that no earlier
+# prompt had at that very place; with chunk reuse the chunks an earlier question brought are
+# served wherever they land, and prefix hits stay as they were. Chunk hits are net of the
+# recomputed tokens, which count as computed. Every question whose prompt reused no chunk
+# answers exactly as with prefix caching; those that did may part from the exact answer after a
+# few tokens. When to switch it on: prompts that repeat chunks in varying combinations (a RAG
+# stream in the retriever's order, or one whose chunks the canonical order cannot line up) and
+# a time to first token that matters more than answers identical token for token. What it
+# costs: it is approximate; the recomputed share is computed again on every reuse, and blocks
+# after a prompt's first reused chunk never enter the exact prefix cache. Five questions say
+# little about quality: the measured figures (agreement, exact match and KL divergence over a
+# longer stream, by recompute fraction and strategy, and what it saves in time to first token)
+# are in benchmarks/RESULTS.md. Leave it off (the default) where outputs must match full
+# prefill.
+
+# %% [markdown]
+# ## 10. The figures in one file
 #
 # `figures/results.json` keeps the headline numbers (the README quotes them;
 # `tests/test_notebook.py` checks them).
@@ -588,9 +742,16 @@ results = {
     "structured": structured,
     "explain": {"cause": cause, "broken_cached_tokens": broken, "fixed_cached_tokens": fixed,
                 "prompt_tokens": len(fixed_prompts[1].token_ids)},
+    "chunk_reuse": {"questions": REUSE_QUESTIONS, "answer_tokens": MAX_TOKENS, "engine": ARMS["chunk reuse"],
+                    "tokens": reuse_totals, "shares": reuse_shares, "per_question": agreement,
+                    "first_token_agreement": first_token_agreement, "exact_match_rate": exact_match_rate,
+                    "questions_with_chunk_hits": len(with_hits), "wall_s": round(reuse_wall_s, 1),
+                    "cpu_s": round(reuse_cpu_s, 1)},
     "runtime_s": round(time.perf_counter() - notebook_started, 1),
 }
 (FIGURES / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 for framework, settings in summary.items():
     print(framework + ": " + ", ".join(f"{setting} {s['hit_rate']:.1%}" for setting, s in settings.items()))
+print(f"chunk reuse: {reuse_shares['chunk reuse']['chunk_hits']:.1%} of the prompt tokens from chunk hits, "
+      f"first-token agreement {first_token_agreement:.0%}, exact match {exact_match_rate:.0%}")
 print(f"notebook ran in {results['runtime_s']:.0f} s")

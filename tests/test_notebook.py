@@ -5,8 +5,11 @@ examples/rag_notebook.py, and executed with nbclient in a fresh kernel on the em
 (a few minutes on 2 CPU cores). It writes its plots and results.json into a temporary folder
 (PAGEDRAG_FIGURES_DIR), never over the committed ones, and the test checks the results: for
 LlamaIndex and for LangChain, the canonical chunk order hits the prefix cache more often than
-the retriever's order, which hits more often than no cache at all (0). The committed notebook
-must also be what examples/build_notebook.py writes from the source, run, with its outputs.
+the retriever's order, which hits more often than no cache at all (0); and the chunk-reuse arm
+takes prompt tokens from chunk hits where the prefix-only arm takes none, its token shares add
+up, and its answers agree with the exact ones wherever no chunk was reused. The committed
+notebook must also be what examples/build_notebook.py writes from the source, run, with its
+outputs.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ nbformat = pytest.importorskip("nbformat")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOK = EXAMPLES / "rag_notebook.ipynb"
 FRAMEWORKS = ("LlamaIndex", "LangChain")
-FIGURES = ("hit_rate.png", "ttft.png", "kv_blocks.png")
+FIGURES = ("hit_rate.png", "ttft.png", "kv_blocks.png", "chunk_reuse.png")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -90,5 +93,46 @@ def test_notebook_runs_and_canonical_order_raises_the_hit_rate(build_notebook, t
     assert explained["broken_cached_tokens"] <= 32 < explained["fixed_cached_tokens"]
     assert explained["fixed_cached_tokens"] >= 0.8 * explained["prompt_tokens"]
 
+    _check_chunk_reuse(results["chunk_reuse"])
+
     for name in FIGURES:
         assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
+
+
+def _check_chunk_reuse(reuse):
+    """The same questions on a prefix-caching-only engine and on a chunk-reuse engine."""
+    tokens, shares = reuse["tokens"], reuse["shares"]
+    exact, reused = tokens["prefix caching only"], tokens["chunk reuse"]
+    print("chunk reuse", {arm: {key: f"{value:.1%}" for key, value in s.items()} for arm, s in shares.items()},
+          f"first-token agreement {reuse['first_token_agreement']:.0%}, exact match {reuse['exact_match_rate']:.0%}")
+    for arm in (exact, reused):  # prompt tokens = prefix hits + chunk hits + computed; recomputed within computed
+        assert arm["prompt_tokens_total"] == arm["prefix_cache_hits"] + arm["chunk_cache_hits"] \
+            + arm["prompt_tokens_computed"] > 0
+        assert 0 <= arm["chunk_tokens_recomputed"] <= arm["prompt_tokens_computed"]
+    for figures in shares.values():
+        assert figures["prefix_hits"] + figures["chunk_hits"] + figures["computed"] == pytest.approx(1)
+        assert all(0 <= value <= 1 for value in figures.values())
+    assert exact["prompt_tokens_total"] == reused["prompt_tokens_total"]  # the same prompts
+    assert exact["chunk_cache_hits"] == exact["chunk_tokens_recomputed"] == 0 == shares["prefix caching only"]["chunk_hits"]
+    assert reused["chunk_cache_hits"] > 0 and reused["chunk_tokens_recomputed"] > 0
+    assert exact["prefix_cache_hits"] > 0  # the system prompt, at least
+    assert reused["prompt_tokens_computed"] < exact["prompt_tokens_computed"]
+    # about chunk_recompute_fraction of each reused chunk is computed again (per chunk, rounded)
+    fraction = reuse["engine"]["chunk_recompute_fraction"]
+    assert 0.5 * fraction <= reused["chunk_tokens_recomputed"] / (reused["chunk_cache_hits"]
+                                                                  + reused["chunk_tokens_recomputed"]) <= 2 * fraction
+
+    questions = reuse["per_question"]
+    assert [q["question"] for q in questions] == reuse["questions"] and len(questions) >= 4
+    assert sum(q["chunk_hit_tokens"] for q in questions) == reused["chunk_cache_hits"]
+    assert questions[0]["chunk_hit_tokens"] == 0  # the first question finds nothing cached
+    for q in questions:
+        assert q["exact_answer"] and q["reuse_answer"]
+        assert q["first_token_match"] or not q["exact_match"]
+        if not q["chunk_hit_tokens"]:  # nothing reused: exactly the prefix-only answer
+            assert q["exact_match"] and q["reuse_answer"] == q["exact_answer"]
+    with_hits = [q for q in questions if q["chunk_hit_tokens"]]
+    assert reuse["questions_with_chunk_hits"] == len(with_hits) >= 2
+    assert reuse["first_token_agreement"] == pytest.approx(sum(q["first_token_match"] for q in with_hits) / len(with_hits))
+    assert reuse["exact_match_rate"] == pytest.approx(sum(q["exact_match"] for q in with_hits) / len(with_hits))
+    assert reuse["first_token_agreement"] >= 0.5  # approximate, not broken (100% in the committed run)

@@ -721,10 +721,9 @@ save_figure(fig, "chunk_reuse.png")
 # a time to first token that matters more than answers identical token for token. What it
 # costs: it is approximate; the recomputed share is computed again on every reuse, and blocks
 # after a prompt's first reused chunk never enter the exact prefix cache. Five questions say
-# little about quality: the measured figures (agreement, exact match and KL divergence over a
-# longer stream, by recompute fraction and strategy, and what it saves in time to first token)
-# are in benchmarks/RESULTS.md. Leave it off (the default) where outputs must match full
-# prefill.
+# little about quality or speed: the measured figures, over longer streams, are in
+# benchmarks/RESULTS.md ("Chunk reuse"). Leave it off (the default) where outputs must match
+# full prefill.
 
 # %% [markdown]
 # ## 10. The figures in one file

@@ -323,6 +323,9 @@ def test_queue_full_is_503(open_server, engine):
     body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", open_server.base_url + "/v1/completions", json=body, timeout=60) as response:
         next(response.iter_lines())
+        deadline = time.monotonic() + 30
+        while engine.num_in_flight != 1 and time.monotonic() < deadline:  # the stream holds the one seat
+            time.sleep(0.05)
         error = _assert_error(_post(open_server.base_url, "/v1/completions", {"prompt": "x"}, key=None), 503)
         assert error["code"] == "queue_full"
     _wait_idle(engine)

@@ -260,6 +260,8 @@ class Scheduler:
         """Admit waiting requests in arrival order. One whose next uncached block another
         request is computing now waits a step (keeping its place) and then hits that block;
         the requests behind it go on."""
+        if not self.waiting:
+            return
         pending = self.kv.blocks_in_progress(self.running)
         deferred = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -110,6 +110,11 @@ def _inflight_row(inflight: InflightTokens | None, item: ScheduledRequest) -> in
     return inflight.rows[request.request_id]
 
 
+def _slots(block_ids: list[int], begin: int, end: int, block_size: int) -> list[int]:
+    """The flat cache slots of a request's positions [begin, end)."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(begin, end)]
+
+
 def _pad_rows(rows: list[list[int]]) -> list[list[int]]:
     width = max(len(row) for row in rows)
     return [row + [0] * (width - len(row)) for row in rows]
@@ -176,8 +181,7 @@ class ModelRunner:
                     inflight_sources.append(_inflight_row(inflight, item))
                 input_ids.extend(known + [0] * (end - begin - len(known)))
                 positions.extend(range(begin, end))
-                slots.extend(item.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                             for p in range(begin, end))
+                slots.extend(_slots(item.block_ids, begin, end, self.block_size))
                 context_lens.append(end)
                 tables.append(item.block_ids)
                 wanted = prompt_rows(item.request, begin, end, starts[-1])
@@ -247,8 +251,8 @@ class ModelRunner:
                  for item in items]
         probe = self.prepare(SchedulerOutput(spans))
         candidates = [candidate_positions(item.recompute) for item in items]
-        slots = host_to_device([item.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                                for item, positions in zip(items, candidates) for p in positions],
+        slots = host_to_device([slot for item in items for chunk in item.recompute
+                                for slot in _slots(item.block_ids, chunk.start, chunk.end, self.block_size)],
                                torch.int64, self.device)
         deviation = probe_deviation(self.model.model, self.cache.device_layers, probe.input_ids,
                                     probe.positions, probe.meta, slots)

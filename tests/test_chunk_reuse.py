@@ -104,6 +104,18 @@ def test_requests_admitted_together_share_the_prefix_they_compute():
     assert all(o.num_cached_tokens >= len(llm.get_tokenizer().encode(shared)) - 16 for o in together[1:])
 
 
+def test_requests_admitted_together_import_the_chunks_another_computes():
+    """A request whose chunk another request computes now waits a step and imports it: the
+    batch computes no more than the same prompts run one at a time."""
+    prompts = _prompts()
+    one_by_one = LLM(**ENGINE, enable_chunk_reuse=True)
+    _run(one_by_one, prompts)
+    together = LLM(**ENGINE, enable_chunk_reuse=True)
+    outputs = together.generate([{"prompt_segments": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert together.stats()["prompt_tokens_computed"] <= one_by_one.stats()["prompt_tokens_computed"]
+    assert sum(o.num_chunk_hit_tokens > 0 for o in outputs) >= len(prompts) // 2
+
+
 def test_rotating_a_key_moves_it_to_its_new_position():
     llm = LLM(max_model_len=512, kv_cache_memory_bytes=64 << 20)
     model = llm.llm_engine.runner.model

@@ -147,6 +147,22 @@ class ChunkCache:
             blocks.append(block)
         return blocks
 
+    # ---- in-step sharing -------------------------------------------------------------------
+    def in_progress(self, requests: list[Request]) -> set[BlockHash]:
+        """The keys (first block hashes) of the reusable chunks these requests compute and
+        have not finished computing; chunks they import are not computed."""
+        return {self._hashes(request, index)[0]
+                for request in requests for index, segment in enumerate(request.segments)
+                if segment.end > request.num_computed_tokens and index not in request.imported_segments
+                and self._reusable(request, index)}
+
+    def waits_for(self, request: Request, num_prefix_tokens: int, pending: set[BlockHash]) -> bool:
+        """Whether a chunk of the request past its first ``num_prefix_tokens`` tokens is not
+        cached but in ``pending`` (another request computes it now)."""
+        return any(segment.start >= num_prefix_tokens and self._reusable(request, index)
+                   and self._hashes(request, index)[0] in pending and self.lookup(request, index) is None
+                   for index, segment in enumerate(request.segments))
+
     # ---- import -------------------------------------------------------------------------
     def plan(self, request: Request, num_prefix_tokens: int) -> ChunkPlan | None:
         """The plan for a request whose first ``num_prefix_tokens`` tokens are prefix hits, or

@@ -85,20 +85,26 @@ class KVCacheManager:
         return length
 
     def blocks_in_progress(self, requests: list[Request]) -> set[BlockHash]:
-        """Hashes of the full prompt blocks these requests have yet to compute (or compute now)."""
+        """Hashes of the full prompt blocks these requests have yet to compute (or compute now),
+        and with chunk reuse the keys of the chunks they compute (ChunkCache.in_progress)."""
         pending: set[BlockHash] = set()
         for request in requests:
             first = request.num_computed_tokens // self.block_size
             pending.update(request.block_hashes[first:request.num_prompt_tokens // self.block_size])
+        if self.chunks is not None:
+            pending |= self.chunks.in_progress(requests)
         return pending
 
     def waits_for(self, request: Request, num_hit_blocks: int, pending: set[BlockHash]) -> bool:
-        """Whether the request's first block past its prefix hit is one that another request is
-        computing: admitted a step later, it hits that block instead of computing it again."""
+        """Whether the request's first block past its prefix hit, or (chunk reuse) one of its
+        uncached chunks, is one that another request is computing: admitted a step later, it
+        hits that block or imports that chunk instead of computing it again."""
         if not self.enable_caching or request.params.prompt_logprobs is not None:
             return False
         max_blocks = (request.num_tokens - 1) // self.block_size
-        return num_hit_blocks < max_blocks and request.block_hashes[num_hit_blocks] in pending
+        if num_hit_blocks < max_blocks and request.block_hashes[num_hit_blocks] in pending:
+            return True
+        return self.chunks is not None and self.chunks.waits_for(request, num_hit_blocks * self.block_size, pending)
 
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         self.prefix_stats.queries += request.num_tokens

@@ -2,15 +2,18 @@
 the step's inputs copied into static buffers.
 
 Two kinds of steps are captured: decode steps (B sequences, one token each) for B up
-to max_batch, and single-sequence prefills of up to MAX_PREFILL_TOKENS new tokens
-(what a prefix hit leaves to compute). Larger steps run eagerly: their kernels are
-long enough that launch overhead does not matter.
+to max_batch, and prefills of up to MAX_PREFILL_TOKENS new tokens in one sequence (what
+a prefix hit leaves to compute) or in up to MAX_PREFILL_SEQS (the runs of a chunk-reuse
+prompt: each recomputed stretch and the question attend as sequences of their own).
+Larger steps run eagerly: their kernels are long enough that launch overhead does not
+matter.
 
 Invariants:
 - A replayed graph reads only the static buffers. Padding rows get slot -1 (nothing is
   stored); padded sequences get context length 1 over block 0 (a harmless read);
-  padded tokens of a prefill lie past query_start_loc[-1], so no sequence owns them.
-  Their outputs are dropped.
+  padded tokens of a prefill lie past the real sequences' last query row, and padded
+  sequences of a prefill own no rows (their query_start_loc entries repeat that row),
+  so their attention programs exit at once. Their outputs are dropped.
 - Block tables are as wide as max_model_len needs, so one graph serves every context.
 - Graphs return hidden states; the caller computes logits for the rows that sample.
 """
@@ -35,6 +38,7 @@ def decode_sizes(max_batch: int) -> list[int]:
 
 
 PREFILL_SIZES = (16, 32, 64, 128, MAX_PREFILL_TOKENS)
+MAX_PREFILL_SEQS = 8  # below the smallest prefill size, so no prefill shape looks like a decode
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class StepGraphs:
         self.kv_layers = kv_layers
         self.ops = ops
         self.shapes = ([GraphShape(b, b) for b in decode_sizes(max_batch)]
-                       + [GraphShape(1, t) for t in PREFILL_SIZES])
+                       + [GraphShape(s, t) for s in (1, MAX_PREFILL_SEQS) for t in PREFILL_SIZES])
         max_tokens = max(s.num_tokens for s in self.shapes)
         max_seqs = max(s.num_seqs for s in self.shapes)
         zeros = lambda *shape, dtype: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
@@ -109,12 +113,13 @@ class StepGraphs:
         if shape.decode:
             self.query_start_loc[num_seqs:shape.num_seqs + 1] = torch.arange(
                 num_seqs, shape.num_seqs + 1, dtype=torch.int32, device=self.slots.device)
+        else:
+            self.query_start_loc[num_seqs + 1:shape.num_seqs + 1].fill_(num_tokens)
 
     def shape_for(self, num_seqs: int, num_tokens: int, decode: bool) -> GraphShape | None:
         """The smallest captured shape that holds this step, or None (run it eagerly)."""
-        for shape in sorted(self.shapes, key=lambda s: s.num_tokens):
-            if shape.decode == decode and shape.num_seqs >= num_seqs and shape.num_tokens >= num_tokens \
-                    and (decode or shape.num_seqs == num_seqs):
+        for shape in sorted(self.shapes, key=lambda s: (s.num_tokens, s.num_seqs)):
+            if shape.decode == decode and shape.num_seqs >= num_seqs and shape.num_tokens >= num_tokens:
                 return shape
         return None
 

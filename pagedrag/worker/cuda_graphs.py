@@ -28,7 +28,7 @@ import torch
 
 from pagedrag.models.attention import AttentionMetadata
 
-MAX_PREFILL_TOKENS = 256
+MAX_PREFILL_TOKENS = 512
 
 
 def decode_sizes(max_batch: int) -> list[int]:
@@ -37,7 +37,7 @@ def decode_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
-PREFILL_SIZES = (16, 32, 64, 128, MAX_PREFILL_TOKENS)
+PREFILL_SIZES = (16, 32, 64, 128, 256, MAX_PREFILL_TOKENS)
 MAX_PREFILL_SEQS = 8  # below the smallest prefill size, so no prefill shape looks like a decode
 
 

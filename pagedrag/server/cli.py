@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 
 from pagedrag.config import EngineArgs
+from pagedrag.router.affinity import POLICIES, AffinityThresholds
 
 logger = logging.getLogger("pagedrag")
 
@@ -59,6 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)g)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="uvicorn's log level (pagedrag's own: PAGEDRAG_LOG_LEVEL)")
+    router = parser.add_argument_group("data parallel (pagedrag.router)")
+    router.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
+                        help="run N engine replicas (each a `pagedrag serve` process with the flags above) "
+                             "behind one endpoint that routes by prefix-cache affinity (default: %(default)s)")
+    router.add_argument("--router-policy", default="prefix_affinity", choices=POLICIES,
+                        help="how requests are spread over the replicas (default: %(default)s)")
+    router.add_argument("--router-cache-threshold", type=float, default=AffinityThresholds.cache_threshold,
+                        metavar="F", help="send a request to the replica holding its longest prefix when that "
+                                          "covers at least this share of its blocks (default: %(default)s)")
+    router.add_argument("--router-balance-abs-threshold", type=int,
+                        default=AffinityThresholds.balance_abs_threshold, metavar="N",
+                        help="route by load alone while the replicas' requests in flight differ by more "
+                             "than N (default: %(default)s)")
 
 
 def _positive_int(text: str) -> int:
@@ -137,6 +151,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         logger.error("%s", error)
         return 2
+    if args.data_parallel_size > 1:
+        from pagedrag.router.data_parallel import serve_replicas
+
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return serve_replicas(args, parser)
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     config = server_config_from(args, engine.model_info.name)
     logger.info("serving %s on http://%s:%d (API keys: %d, max queue: %s, shutdown timeout: %gs)",

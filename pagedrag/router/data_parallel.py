@@ -1,0 +1,291 @@
+"""`pagedrag serve --data-parallel-size N`: N engine replicas on one machine, each a
+`pagedrag serve` process on a loopback port, behind one OpenAI-compatible endpoint that
+routes each request by prefix-cache affinity (router.affinity) over the replicas' block
+hashes (router.prompt_blocks).
+
+Invariants:
+- A request is sent to one replica at a time. If that replica cannot be reached, or dies
+  before the reply is complete (before the first byte of a stream), the request goes to
+  another replica: an accepted request is lost only if its stream had begun.
+- A replica that dies is restarted (its estimated cache forgotten); while none is up,
+  requests wait for one up to ``REPLICA_WAIT_S`` and are then answered 503.
+- /metrics is every replica's series with a ``replica`` label plus their sums
+  (router.metrics_sum); /health is 200 while any replica is up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
+from pagedrag.router.metrics_sum import merge_metrics
+from pagedrag.router.prompt_blocks import PromptBlocks
+from pagedrag.server.auth import bearer_token
+from pagedrag.server.background import free_port
+from pagedrag.server.errors import APIError
+
+logger = logging.getLogger("pagedrag")
+
+REPLICA_WAIT_S = 300.0  # how long a request waits for a replica to come (back) up
+_ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+
+
+@dataclass
+class LocalReplica:
+    """One `pagedrag serve` child process on a loopback port."""
+
+    name: str
+    argv: list[str]
+    port: int = 0
+    process: subprocess.Popen | None = None
+    up: bool = False
+    in_flight: int = 0
+    restarts: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.port = free_port()
+        self.up = False
+        command = [sys.executable, "-m", "pagedrag", "serve", *self.argv, "--host", "127.0.0.1",
+                   "--port", str(self.port)]
+        self.process = subprocess.Popen(command)
+
+    def exited(self) -> bool:
+        return self.process is None or self.process.poll() is not None
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+@dataclass
+class Replicas:
+    """The replica processes, the routing policy and the client that reaches them."""
+
+    replicas: list[LocalReplica]
+    chooser: ReplicaChooser
+    blocks: PromptBlocks
+    client: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=None))
+
+    def up(self) -> list[LocalReplica]:
+        return [replica for replica in self.replicas if replica.up and not replica.exited()]
+
+    async def supervise(self) -> None:
+        """Start every replica, then restart any that exits, forever."""
+        for replica in self.replicas:
+            replica.start()
+        while True:
+            for replica in self.replicas:
+                if replica.exited() and replica.process is not None:
+                    logger.warning("replica %s exited (code %s); restarting it", replica.name,
+                                   replica.process.returncode)
+                    self.chooser.forget(replica.name)
+                    replica.restarts += 1
+                    replica.start()
+                if not replica.up and not replica.exited():
+                    replica.up = await self._healthy(replica)
+            await asyncio.sleep(0.5)
+
+    async def _healthy(self, replica: LocalReplica) -> bool:
+        try:
+            return (await self.client.get(replica.url + "/health", timeout=2)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def pick(self, hashes: list[bytes], exclude: set[str]) -> LocalReplica:
+        """The policy's replica among those up (waiting for one if none is)."""
+        deadline = time.monotonic() + REPLICA_WAIT_S
+        while True:
+            candidates = [r for r in self.up() if r.name not in exclude] or self.up()
+            if candidates:
+                loads = {r.name: r.in_flight for r in candidates}
+                name = self.chooser.choose(hashes, loads)
+                return next(r for r in candidates if r.name == name)
+            if time.monotonic() > deadline:
+                raise APIError(503, "no engine replica is up", code="service_unavailable")
+            await asyncio.sleep(0.2)
+
+    async def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+        await self.client.aclose()
+
+
+def build_router_app(replicas: Replicas) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        supervisor = asyncio.create_task(replicas.supervise())
+        yield
+        supervisor.cancel()
+        await replicas.stop()
+
+    app = FastAPI(title="pagedrag router", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> Response:
+        return error.response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"replicas_up": len(replicas.up())}, status_code=200 if replicas.up() else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        texts = {}
+        for replica in replicas.up():
+            with contextlib.suppress(httpx.HTTPError):
+                texts[replica.name] = (await replicas.client.get(replica.url + "/metrics")).text
+        return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def forward(path: str, request: Request) -> Response:
+        body = await request.body()
+        hashes = await _hashes(replicas.blocks, request, body)
+        return await _send(replicas, request, body, hashes)
+
+    return app
+
+
+async def _hashes(blocks: PromptBlocks, request: Request, body: bytes) -> list[bytes]:
+    if request.method != "POST" or request.url.path not in _ROUTED_PATHS:
+        return []
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return []
+    return await anyio.to_thread.run_sync(blocks.of, request.url.path, parsed, bearer_token(request.headers))
+
+
+async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[bytes]) -> Response:
+    """Send to the chosen replica; on a replica that fails before answering, to another."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    tried: set[str] = set()
+    while True:
+        replica = await replicas.pick(hashes, tried)
+        replicas.chooser.record(replica.name, hashes)
+        replica.in_flight += 1
+        upstream = replicas.client.build_request(request.method, replica.url + request.url.path,
+                                                 params=request.query_params, content=body, headers=headers)
+        try:
+            reply = await _Reply.open(replicas.client, upstream)
+        except httpx.HTTPError as error:
+            replica.in_flight -= 1
+            tried.add(replica.name)
+            logger.warning("replica %s failed (%s); sending the request to another", replica.name, error)
+            continue
+        return reply.response(replica)
+
+
+@dataclass
+class _Reply:
+    """A replica's answer once it is safe to pass on: a whole reply (non-streamed: read to
+    the end, so that a replica dying mid-reply makes the caller retry), or a stream whose
+    first chunk has come."""
+
+    upstream: httpx.Response
+    first: bytes | None  # None: not a stream
+    rest: AsyncIterator[bytes] | None
+
+    @classmethod
+    async def open(cls, client: httpx.AsyncClient, request: httpx.Request) -> _Reply:
+        upstream = await client.send(request, stream=True)
+        try:
+            if "text/event-stream" not in upstream.headers.get("content-type", ""):
+                await upstream.aread()
+                return cls(upstream, None, None)
+            chunks = upstream.aiter_raw()
+            return cls(upstream, await anext(chunks, b""), chunks)
+        except BaseException:
+            await upstream.aclose()
+            raise
+
+    def response(self, replica: LocalReplica) -> Response:
+        headers = {k: v for k, v in self.upstream.headers.items()
+                   if k.lower() not in _HOP_HEADERS | {"content-encoding"}}
+
+        async def done() -> None:
+            replica.in_flight -= 1
+            await self.upstream.aclose()
+
+        if self.first is None:
+            return Response(self.upstream.content, status_code=self.upstream.status_code, headers=headers,
+                            background=BackgroundTask(done))
+        return StreamingResponse(self._stream(), status_code=self.upstream.status_code, headers=headers,
+                                 background=BackgroundTask(done))
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        yield self.first
+        async for chunk in self.rest:
+            yield chunk
+
+
+def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: set[str]) -> list[str]:
+    """The command line of a replica: every option of ``args`` that differs from its default,
+    but those whose dest is in ``skip``."""
+    argv: list[str] = []
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public list of its actions
+        if action.dest in skip or action.dest == "help" or not hasattr(args, action.dest):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0] if action.option_strings else None
+        if flag is None:  # a positional
+            argv.append(str(value))
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else action.option_strings[1])
+        elif action.nargs == 0:  # store_true
+            argv.append(flag)
+        elif isinstance(value, list) and action.nargs is None:  # append: the flag once per value
+            argv += [item for entry in value for item in (flag, str(entry))]
+        elif isinstance(value, list):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+ROUTER_DESTS = {"data_parallel_size", "router_policy", "router_cache_threshold", "router_balance_abs_threshold",
+                "host", "port"}
+
+
+def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run ``args.data_parallel_size`` replicas of `pagedrag serve` (``args`` minus the router's
+    own flags) behind the router on --host/--port, until SIGTERM or Ctrl-C."""
+    import uvicorn
+
+    from pagedrag.server.cli import _template_text
+
+    chooser = ReplicaChooser(args.router_policy, AffinityThresholds(
+        cache_threshold=args.router_cache_threshold, balance_abs_threshold=args.router_balance_abs_threshold))
+    blocks = PromptBlocks(args.model, args.block_size, args.salt_by_api_key, _template_text(args.chat_template),
+                          args.enable_chunk_reuse)
+    argv = replica_argv(parser, args, ROUTER_DESTS)
+    replicas = Replicas([LocalReplica(str(index), argv) for index in range(args.data_parallel_size)], chooser, blocks)
+    logger.info("routing (%s) over %d replicas of `pagedrag serve %s` on http://%s:%d", args.router_policy,
+                args.data_parallel_size, " ".join(argv), args.host, args.port)
+    uvicorn.run(build_router_app(replicas), host=args.host, port=args.port, log_level=args.log_level)
+    return 0

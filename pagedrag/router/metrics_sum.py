@@ -1,0 +1,53 @@
+"""One /metrics for several replicas: each replica's series with a ``replica`` label, and
+the sum over replicas without it (the mean for the usage fractions, ``*_perc``), so that a
+dashboard built for one engine reads the whole deployment unchanged. Creation-time series
+(``*_created``) are left out."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
+
+_MEAN_SUFFIX = "_perc"  # fractions: averaged, not summed
+
+
+def merge_metrics(texts: Mapping[str, str]) -> str:
+    """Prometheus texts by replica name -> one Prometheus text."""
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    totals: dict[str, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for replica, text in texts.items():
+        for family in text_string_to_metric_families(text):
+            if family.name.endswith("_created"):  # creation times: meaningless summed
+                continue
+            # the text format names a counter's family as its samples: with _total
+            name = family.name + "_total" if family.type == "counter" else family.name
+            _, _, lines = families.setdefault(name, (family.type, family.documentation, []))
+            for sample in family.samples:
+                lines.append(_line(sample.name, {**sample.labels, "replica": replica}, sample.value))
+                totals[name][(sample.name, tuple(sorted(sample.labels.items())))].append(sample.value)
+    out = []
+    for name, (kind, documentation, lines) in families.items():
+        out.append(f"# HELP {name} {_escape_help(documentation)}")
+        out.append(f"# TYPE {name} {kind}")
+        out.extend(lines)
+        for (sample_name, labels), values in totals[name].items():
+            value = sum(values) / len(values) if name.endswith(_MEAN_SUFFIX) else sum(values)
+            out.append(_line(sample_name, dict(labels), value))
+    return "\n".join(out) + "\n"
+
+
+def _line(name: str, labels: Mapping[str, str], value: float) -> str:
+    if not labels:
+        return f"{name} {value!r}"
+    inner = ",".join(f'{key}="{_escape_label(str(val))}"' for key, val in labels.items())
+    return f"{name}{{{inner}}} {value!r}"
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", r"\\").replace("\n", r"\n")

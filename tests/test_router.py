@@ -1,0 +1,181 @@
+"""The data-parallel router (pagedrag.router): the affinity policy, the block hashes it
+computes for request bodies (they must be the replica's own), summed metrics, the replica
+command line, and `pagedrag serve --data-parallel-size 2` end to end: requests sharing a
+prefix meet its cache, a killed replica is restarted and no request is lost."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedrag import LLM, SamplingParams
+from pagedrag.core.block_hash import extend_block_hashes
+from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
+from pagedrag.router.data_parallel import ROUTER_DESTS, replica_argv
+from pagedrag.router.metrics_sum import merge_metrics
+from pagedrag.router.prompt_blocks import PromptBlocks
+from pagedrag.server.background import free_port
+from pagedrag.server.cli import add_arguments
+
+SYSTEM = "You answer questions about the Python standard library from the documents given. " * 4
+
+
+def test_affinity_keeps_a_prefix_on_its_replica_until_loads_diverge():
+    chooser = ReplicaChooser(thresholds=AffinityThresholds(balance_abs_threshold=4))
+    shared, other = [b"a", b"b", b"c"], [b"x", b"y"]
+    first = chooser.choose(shared, {0: 0, 1: 0})
+    chooser.record(first, shared)
+    second = chooser.choose(other, {0: 0, 1: 0})  # no match: the replica with the smaller cache
+    assert second != first
+    chooser.record(second, other)
+    assert chooser.choose(shared + [b"d"], {0: 3, 1: 0} if first == 0 else {0: 0, 1: 3}) == first
+    overloaded = {first: 10, second: 0}
+    assert chooser.choose(shared, overloaded) == second  # out of balance: load wins
+
+
+def test_affinity_below_the_cache_threshold_goes_by_load():
+    chooser = ReplicaChooser(thresholds=AffinityThresholds(cache_threshold=0.5))
+    chooser.record(0, [b"a"])
+    assert chooser.choose([b"a", b"b", b"c"], {0: 2, 1: 1}) == 1  # 1 of 3 blocks: not enough
+    assert chooser.choose([b"a", b"b"], {0: 2, 1: 1}) == 0
+
+
+def test_round_robin_alternates_and_bad_settings_are_refused():
+    chooser = ReplicaChooser("round_robin")
+    assert [chooser.choose([b"a"], {0: 0, 1: 0}) for _ in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="router policy"):
+        ReplicaChooser("random")
+    with pytest.raises(ValueError, match="cache_threshold"):
+        AffinityThresholds(cache_threshold=2)
+    with pytest.raises(ValueError, match="no replica"):
+        ReplicaChooser().choose([b"a"], {})
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLM(max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-7"])
+def test_router_hashes_are_the_blocks_the_engine_caches(engine, salt):
+    """What the router computes for a chat body is what the replica hashes and caches for it."""
+    block_size = engine.llm_engine.args.block_size
+    blocks = PromptBlocks(None, block_size)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What does json.dumps do?"}]
+    body = {"model": "m", "messages": messages, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+    hashes = blocks.of("/v1/chat/completions", body)
+    token_ids = engine.llm_engine.inputs.render_chat(messages, True, salt).token_ids
+    expected: list[bytes] = []
+    extend_block_hashes(expected, token_ids, block_size, salt)
+    assert hashes == expected and len(hashes) >= 4
+    engine.generate({"prompt_token_ids": token_ids, **({"cache_salt": salt} if salt else {})},
+                    SamplingParams(max_tokens=1), use_tqdm=False)
+    assert engine.llm_engine.cached_prefix_len(token_ids, salt) >= block_size * (len(hashes) - 1)
+    assert blocks.of("/v1/chat/completions", {"messages": "not a list"}) == []
+    assert blocks.of("/v1/completions", {"model": "m", "prompt": ["a", "b"]}) == []  # a batch: by load
+
+
+def test_merged_metrics_label_each_replica_and_sum_them():
+    def replica(tokens: float, usage: float) -> str:
+        registry = CollectorRegistry()
+        Counter("pagedrag:prompt_tokens", "Prompt tokens.", ["model_name"], registry=registry).labels("m").inc(tokens)
+        Gauge("pagedrag:kv_cache_usage_perc", "Usage.", ["model_name"], registry=registry).labels("m").set(usage)
+        return generate_latest(registry).decode()
+
+    merged = {family.name: {tuple(sorted(s.labels.items())): s.value for s in family.samples}
+              for family in text_string_to_metric_families(merge_metrics({"0": replica(3, 0.2), "1": replica(5, 0.6)}))}
+    tokens = merged["pagedrag:prompt_tokens"]
+    assert tokens[(("model_name", "m"), ("replica", "0"))] == 3 and tokens[(("model_name", "m"),)] == 8
+    assert merged["pagedrag:kv_cache_usage_perc"][(("model_name", "m"),)] == pytest.approx(0.4)
+
+
+def test_replica_command_line_keeps_every_flag_but_the_routers():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["some/model", "--max-model-len", "512", "--no-enable-prefix-caching",
+                              "--api-key", "k1", "--api-key", "k2", "--served-model-name", "a", "b",
+                              "--salt-by-api-key", "--data-parallel-size", "2", "--port", "9000"])
+    again = parser.parse_args(replica_argv(parser, args, ROUTER_DESTS))
+    for name, value in vars(args).items():
+        if name not in ROUTER_DESTS:
+            assert getattr(again, name) == value, name
+    assert again.data_parallel_size == 1 and again.port == 8000
+
+
+def _metric(url: str, name: str) -> dict[str, float]:
+    """A counter per replica label ('' for the sum) from the router's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                values[sample.labels.get("replica", "")] = sample.value
+    return values
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "pagedrag", "serve", "--data-parallel-size", "2",
+                                    "--port", str(port), "--max-model-len", "1024", "--log-level", "warning"],
+                                   stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).json().get("replicas_up") == 2:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        process.kill()
+        raise AssertionError(f"the router did not come up: {log.read_text()}")
+    yield url, process
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+
+
+def _ask(url: str, question: str, stream: bool = False) -> httpx.Response:
+    body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0, "stream": stream,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def test_requests_sharing_a_prefix_meet_its_cache(router):
+    url, _ = router
+    replies = [_ask(url, f"Question {i}: what does module {i} do?") for i in range(4)]
+    assert all(r.status_code == 200 for r in replies)
+    assert all(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for r in replies[1:])
+    served = _metric(url, "pagedrag:prompt_tokens_total")
+    assert sorted(v > 0 for k, v in served.items() if k) == [False, True]  # one replica took them all
+    assert "data: [DONE]" in _ask(url, "Question: stream it", stream=True).text
+
+
+def test_a_killed_replica_is_restarted_and_no_request_is_lost(router):
+    url, process = router
+    children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 2
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(_ask, url, f"Other question {i}?") for i in range(6)]
+        time.sleep(1.0)
+        os.kill(int(children[0]), signal.SIGKILL)
+        statuses = [future.result().status_code for future in futures]
+    assert statuses == [200] * 6
+    deadline = time.monotonic() + 240
+    while httpx.get(url + "/health", timeout=5).json()["replicas_up"] < 2:
+        assert time.monotonic() < deadline, "the killed replica did not come back"
+        time.sleep(0.5)

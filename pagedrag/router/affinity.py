@@ -6,7 +6,10 @@ prompt's full blocks, salted per tenant: core.block_hash), so a request's match 
 replica is the number of its leading blocks found there. Replicas evict on their own, so
 the estimate can be stale: that costs a cache miss, never a wrong answer.
 
-The choice is the cache_aware policy of SGLang's router (with its default thresholds):
+The choice is the cache_aware policy of SGLang's router; the default cache_threshold (0.3) was
+chosen on the pydoc-topics RAG stream (benchmarks/bench_router.py's simulation: 0.5 loses a
+tenth of the hit rate there, as a RAG prompt shares little beyond the system prompt and its
+leading chunks):
 
 1. Loads out of balance (max - min > ``balance_abs_threshold`` and max >
    ``balance_rel_threshold`` x min, loads in requests in flight): the least loaded replica.
@@ -32,7 +35,7 @@ POLICIES = ("prefix_affinity", "round_robin", "least_loaded")
 
 @dataclass(frozen=True)
 class AffinityThresholds:
-    cache_threshold: float = 0.5
+    cache_threshold: float = 0.3
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.0001
     max_blocks_per_replica: int = 1 << 17  # the estimate's bound: 2M tokens of 16-token blocks

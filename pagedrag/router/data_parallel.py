@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import subprocess
 import sys
@@ -35,14 +34,12 @@ from starlette.background import BackgroundTask
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
 from pagedrag.router.metrics_sum import merge_metrics
 from pagedrag.router.prompt_blocks import PromptBlocks
-from pagedrag.server.auth import bearer_token
 from pagedrag.server.background import free_port
 from pagedrag.server.errors import APIError
 
 logger = logging.getLogger("pagedrag")
 
 REPLICA_WAIT_S = 300.0  # how long a request waits for a replica to come (back) up
-_ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
 
@@ -163,20 +160,11 @@ def build_router_app(replicas: Replicas) -> FastAPI:
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
-        hashes = await _hashes(replicas.blocks, request, body)
+        hashes = await anyio.to_thread.run_sync(replicas.blocks.of_request, request.method, request.url.path,
+                                                body, request.headers)
         return await _send(replicas, request, body, hashes)
 
     return app
-
-
-async def _hashes(blocks: PromptBlocks, request: Request, body: bytes) -> list[bytes]:
-    if request.method != "POST" or request.url.path not in _ROUTED_PATHS:
-        return []
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return []
-    return await anyio.to_thread.run_sync(blocks.of, request.url.path, parsed, bearer_token(request.headers))
 
 
 async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[bytes]) -> Response:
@@ -277,11 +265,11 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     own flags) behind the router on --host/--port, until SIGTERM or Ctrl-C."""
     import uvicorn
 
-    from pagedrag.server.cli import _template_text
+    from pagedrag.server.cli import template_text
 
     chooser = ReplicaChooser(args.router_policy, AffinityThresholds(
         cache_threshold=args.router_cache_threshold, balance_abs_threshold=args.router_balance_abs_threshold))
-    blocks = PromptBlocks(args.model, args.block_size, args.salt_by_api_key, _template_text(args.chat_template),
+    blocks = PromptBlocks(args.model, args.block_size, args.salt_by_api_key, template_text(args.chat_template),
                           args.enable_chunk_reuse)
     argv = replica_argv(parser, args, ROUTER_DESTS)
     replicas = Replicas([LocalReplica(str(index), argv) for index in range(args.data_parallel_size)], chooser, blocks)

@@ -10,14 +10,18 @@ alone, and the replica answers it (or refuses it with its own error).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+
 from pagedrag.core.block_hash import BlockHash, extend_block_hashes
 from pagedrag.engine.inputs import InputProcessor, ProcessedPrompt
 from pagedrag.models.loader import load_tokenizer
-from pagedrag.server.auth import tenant_cache_salt
+from pagedrag.server.auth import bearer_token, tenant_cache_salt
 from pagedrag.server.protocol import ChatCompletionRequest, CompletionRequest
 
 # The router checks nothing: the replica does. These bounds only keep its tokenizer calls sane.
 _MAX_MODEL_LEN = 1 << 20
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 class PromptBlocks:
@@ -29,6 +33,16 @@ class PromptBlocks:
         self.block_size = block_size
         self.salt_by_api_key = salt_by_api_key
         self.chat_template = chat_template
+
+    def of_request(self, method: str, path: str, body: bytes, headers: Mapping[str, str]) -> list[BlockHash]:
+        """``of`` for a raw HTTP request: POSTs to the sampling routes with a JSON body."""
+        if method != "POST" or path not in ROUTED_PATHS:
+            return []
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return []
+        return self.of(path, parsed, bearer_token(headers))
 
     def of(self, path: str, body: object, api_key: str | None = None) -> list[BlockHash]:
         """The hashes of the prompt's full blocks; [] when the body is not one the router renders."""

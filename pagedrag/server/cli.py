@@ -114,7 +114,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
 
 
-def _template_text(value: str | None) -> str | None:
+def template_text(value: str | None) -> str | None:
     """--chat-template's text: the file it names, or the value itself (as vLLM reads it)."""
     if value is None:
         return None
@@ -131,7 +131,7 @@ def server_config_from(args: argparse.Namespace, model_name: str):
                         api_keys=args.api_keys, max_queue=args.max_queue,
                         salt_by_api_key=args.salt_by_api_key,
                         max_request_bytes=args.max_request_bytes,
-                        chat_template=_template_text(args.chat_template),
+                        chat_template=template_text(args.chat_template),
                         trust_request_chat_template=args.trust_request_chat_template)
 
 

@@ -1,0 +1,211 @@
+"""Replicas behind the data-parallel router on CPU: prefix-cache hit rate by routing policy,
+throughput against one engine, and a replica killed mid-run.
+
+    python benchmarks/bench_router.py [--questions 96] [--concurrency 8] [--max-tokens 8] [--simulate-only]
+
+First a simulation over the whole stream (no model: the router's own ReplicaChooser over the
+requests' block hashes, each replica's cache the blocks sent to it, unbounded; ``--concurrency``
+requests in flight, the oldest finishing as a new one arrives): the block hit rate of one
+cache, round-robin and prefix affinity at several cache thresholds, and how evenly affinity
+spreads the requests. Then the live run:
+
+The embedded SmolLM2-135M-Instruct; the pydoc-topics RAG stream (benchmarks/rag_stream.py:
+MiniLM top-5 chunks per question, through the canonicalizer, as chat messages). Servers run
+one after another, each a `pagedrag serve` subprocess (the router and its replicas for
+--data-parallel-size 2); each takes the whole stream from ``--concurrency`` concurrent
+clients (saturating: more than the replicas run at once). Arms:
+
+- one replica (`pagedrag serve`);
+- 2 replicas, round-robin;
+- 2 replicas, prefix affinity (the default policy);
+- 2 replicas, prefix affinity, one replica SIGKILLed halfway through (the router restarts it).
+
+Per arm: prefix-cache hit rate (prefix_cache_hits / prompt tokens, the replicas' sums from
+/metrics), requests failed, generated tokens per second. Prints a markdown table. Every replica
+(the lone one too) gets ``cores / 2`` torch threads: 2 replicas need the cores of 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).parent))
+from rag_stream import SYSTEM_PROMPT, rag_stream  # noqa: E402
+
+from pagedrag.models.loader import load_tokenizer  # noqa: E402
+from pagedrag.rag.canonical import PromptCanonicalizer  # noqa: E402
+from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser  # noqa: E402
+from pagedrag.router.prompt_blocks import PromptBlocks  # noqa: E402
+from pagedrag.server.background import free_port  # noqa: E402
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ENGINE_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30), "--log-level", "warning"]
+
+
+class Server:
+    """A `pagedrag serve` subprocess with ``flags``, up until closed."""
+
+    def __init__(self, flags: list[str], threads: int, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = os.environ | {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        with open(log, "w") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "pagedrag", "serve", "--port", str(self.port),
+                                             *ENGINE_FLAGS, *flags], stdout=out, stderr=subprocess.STDOUT, env=env)
+        self.log = log
+        self._wait_up(replicas=2 if "--data-parallel-size" in flags else 1)
+
+    def _wait_up(self, replicas: int, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                reply = httpx.get(self.url + "/health", timeout=2)
+                if reply.status_code == 200 and reply.json().get("replicas_up", 1) >= replicas:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server did not come up: {self.log.read_text()[-2000:]}")
+
+    def counters(self) -> dict[str, float]:
+        """The summed counters (no replica label) by sample name."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if "replica" not in s.labels}
+
+    def replica_pids(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True).stdout
+        return [int(pid) for pid in out.split()]
+
+    def close(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def chat_bodies(questions: int, max_tokens: int) -> list[dict]:
+    canonicalizer = PromptCanonicalizer(SYSTEM_PROMPT, tokenizer=load_tokenizer(None))
+    bodies = []
+    for question, chunks in rag_stream()[:questions]:
+        prompt = canonicalizer.build(question, [(c.source_id, c.text) for c in chunks])
+        bodies.append({"model": MODEL, "messages": prompt.messages, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True})
+    return bodies
+
+
+def run_stream(server: Server, bodies: list[dict], concurrency: int, kill_halfway: bool) -> dict:
+    before = server.counters()
+    done = threading.Semaphore(0)
+
+    def ask(body: dict) -> int:
+        try:
+            reply = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=600)
+            return reply.json()["usage"]["completion_tokens"] if reply.status_code == 200 else -1
+        except httpx.HTTPError:
+            return -1
+        finally:
+            done.release()
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        futures = [pool.submit(ask, body) for body in bodies]
+        if kill_halfway:
+            for _ in range(len(bodies) // 2):
+                done.acquire()
+            os.kill(server.replica_pids()[0], signal.SIGKILL)
+        tokens = [future.result() for future in futures]
+    seconds = time.perf_counter() - start
+    after = server.counters()
+    delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    return {"hit": delta["pagedrag:prefix_cache_hits_total"] / delta["pagedrag:prompt_tokens_total"],
+            "failed": sum(t < 0 for t in tokens), "tok_s": sum(t for t in tokens if t > 0) / seconds,
+            "seconds": seconds}
+
+
+def simulate(bodies: list[dict], concurrency: int) -> None:
+    """Print the simulation table (see the module docstring)."""
+    blocks = PromptBlocks(None, 16)
+    requests = [blocks.of("/v1/chat/completions", body) for body in bodies]
+    arms = [("one engine", None, 1), ("2 replicas, round-robin", ReplicaChooser("round_robin"), 2)]
+    arms += [(f"2 replicas, prefix affinity, cache_threshold {t}",
+              ReplicaChooser(thresholds=AffinityThresholds(cache_threshold=t)), 2) for t in (0.5, 0.3, 0.1, 0.0)]
+    print(f"\nSimulation: {len(requests)} requests, {concurrency} in flight\n")
+    print("| routing | block hit rate | requests per replica |")
+    print("|---|---|---|")
+    for name, chooser, replicas in arms:
+        hit, counts = _simulated(requests, chooser, replicas, concurrency)
+        print(f"| {name} | {hit:.1%} | {' / '.join(map(str, counts))} |")
+
+
+def _simulated(requests: list[list[bytes]], chooser: ReplicaChooser | None, replicas: int,
+               concurrency: int) -> tuple[float, list[int]]:
+    caches = [set() for _ in range(replicas)]
+    in_flight: collections.deque = collections.deque()
+    loads, counts, hits, total = [0] * replicas, [0] * replicas, 0, 0
+    for hashes in requests:
+        if len(in_flight) >= concurrency:
+            loads[in_flight.popleft()] -= 1
+        replica = chooser.choose(hashes, dict(enumerate(loads))) if chooser else 0
+        if chooser:
+            chooser.record(replica, hashes)
+        hits += next((i for i, h in enumerate(hashes) if h not in caches[replica]), len(hashes))
+        total += len(hashes)
+        caches[replica].update(hashes)
+        in_flight.append(replica)
+        loads[replica] += 1
+        counts[replica] += 1
+    return hits / total, counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--questions", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--simulate-only", action="store_true")
+    args = parser.parse_args()
+    simulate(chat_bodies(len(rag_stream()), args.max_tokens), args.concurrency)  # the whole stream
+    if args.simulate_only:
+        return
+    bodies = chat_bodies(args.questions, args.max_tokens)
+    cores = os.cpu_count() or 1
+    threads = max(cores // 2, 1)  # per replica, the one-replica arm included: the comparison is per replica
+    arms = [("one replica", [], threads, False),
+            ("2 replicas, round-robin", ["--data-parallel-size", "2", "--router-policy", "round_robin"], threads,
+             False),
+            ("2 replicas, prefix affinity", ["--data-parallel-size", "2"], threads, False),
+            ("2 replicas, prefix affinity, one killed halfway", ["--data-parallel-size", "2"], threads, True)]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for number, (name, flags, threads, kill) in enumerate(arms):
+            server = Server(flags, threads, Path(folder) / f"arm{number}.log")
+            try:
+                rows.append((name, run_stream(server, bodies, args.concurrency, kill)))
+            finally:
+                server.close()
+    single = rows[0][1]["tok_s"]
+    print(f"\n{len(bodies)} questions, {args.concurrency} concurrent clients, {args.max_tokens} tokens each, "
+          f"{cores} cores\n")
+    print("| arm | prefix-cache hit rate | failed requests | tokens/s | vs one replica |")
+    print("|---|---|---|---|---|")
+    for name, row in rows:
+        print(f"| {name} | {row['hit']:.1%} | {row['failed']} | {row['tok_s']:.1f} | {row['tok_s'] / single:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

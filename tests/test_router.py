@@ -163,6 +163,9 @@ def test_requests_sharing_a_prefix_meet_its_cache(router):
     served = _metric(url, "pagedrag:prompt_tokens_total")
     assert sorted(v > 0 for k, v in served.items() if k) == [False, True]  # one replica took them all
     assert "data: [DONE]" in _ask(url, "Question: stream it", stream=True).text
+    stats = httpx.get(url + "/v1/stats", timeout=30).json()
+    assert stats["prompt_tokens_total"] == sum(r["prompt_tokens_total"] for r in stats["replicas"].values()) > 0
+    assert stats["prefix_cache_hit_rate"] == stats["prefix_cache_hits"] / stats["prefix_cache_queries"]
 
 
 def test_a_killed_replica_is_restarted_and_no_request_is_lost(router):
@@ -179,3 +182,21 @@ def test_a_killed_replica_is_restarted_and_no_request_is_lost(router):
     while httpx.get(url + "/health", timeout=5).json()["replicas_up"] < 2:
         assert time.monotonic() < deadline, "the killed replica did not come back"
         time.sleep(0.5)
+
+
+def test_the_integrations_reach_the_replicas_through_base_url(router):
+    """LangChain's and LlamaIndex's clients point at the router as at one server; the cached
+    tokens they report are those of the replica that served them."""
+    langchain = pytest.importorskip("langchain_pagedrag")
+    llama_index = pytest.importorskip("llama_index.llms.pagedrag")
+    url, _ = router
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    chat = langchain.ChatPagedRAG(base_url=url, model=model, max_tokens=2)
+    messages = [("system", SYSTEM), ("human", "Which module parses JSON?")]
+    chat.invoke(messages)
+    reply = chat.invoke(messages)
+    assert reply.usage_metadata["input_token_details"]["cache_read"] == reply.response_metadata["cached_tokens"] > 0
+    llm = llama_index.PagedRAG(base_url=url, model=model, max_new_tokens=2)
+    llm.complete(SYSTEM + "Which module parses JSON?")
+    again = llm.complete(SYSTEM + "Which module parses JSON?")
+    assert again.raw["usage"]["prompt_tokens_details"]["cached_tokens"] == again.additional_kwargs["cached_tokens"] > 0

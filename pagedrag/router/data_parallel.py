@@ -9,8 +9,8 @@ Invariants:
   another replica: an accepted request is lost only if its stream had begun.
 - A replica that dies is restarted (its estimated cache forgotten); while none is up,
   requests wait for one up to ``REPLICA_WAIT_S`` and are then answered 503.
-- /metrics is every replica's series with a ``replica`` label plus their sums
-  (router.metrics_sum); /health is 200 while any replica is up.
+- /metrics and /v1/stats are every replica's figures and their sums (router.metrics_sum);
+  /health is 200 while any replica is up.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
-from pagedrag.router.metrics_sum import merge_metrics
+from pagedrag.router.metrics_sum import merge_metrics, merge_stats
 from pagedrag.router.prompt_blocks import PromptBlocks
 from pagedrag.server.background import free_port
 from pagedrag.server.errors import APIError
@@ -156,6 +156,21 @@ def build_router_app(replicas: Replicas) -> FastAPI:
             with contextlib.suppress(httpx.HTTPError):
                 texts[replica.name] = (await replicas.client.get(replica.url + "/metrics")).text
         return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/stats")
+    async def stats(request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        replies = {}
+        for replica in replicas.up():
+            with contextlib.suppress(httpx.HTTPError):
+                reply = await replicas.client.get(replica.url + "/v1/stats", headers=headers)
+                if reply.status_code != 200:  # a refused key: every replica says the same
+                    return Response(reply.content, status_code=reply.status_code,
+                                    media_type=reply.headers.get("content-type"))
+                replies[replica.name] = reply.json()
+        if not replies:
+            raise APIError(503, "no engine replica is up", code="service_unavailable")
+        return JSONResponse(merge_stats(replies))
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(path: str, request: Request) -> Response:

@@ -1,7 +1,11 @@
-"""One /metrics for several replicas: each replica's series with a ``replica`` label, and
-the sum over replicas without it (the mean for the usage fractions, ``*_perc``), so that a
-dashboard built for one engine reads the whole deployment unchanged. Creation-time series
-(``*_created``) are left out."""
+"""One /metrics and one /v1/stats for several replicas.
+
+/metrics: each replica's series with a ``replica`` label, and the sum over replicas without
+it (the mean for the usage fractions, ``*_perc``), so that a dashboard built for one engine
+reads the whole deployment unchanged. Creation-time series (``*_created``) are left out.
+/v1/stats: the counts summed, fractions averaged, the hit rate recomputed from the sums,
+settings (block size, max_model_len, device) as the first replica has them; each replica's
+own under ``replicas``."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from collections.abc import Mapping
 from prometheus_client.parser import text_string_to_metric_families
 
 _MEAN_SUFFIX = "_perc"  # fractions: averaged, not summed
+_SETTINGS = {"block_size", "max_model_len", "device"}
 
 
 def merge_metrics(texts: Mapping[str, str]) -> str:
@@ -51,3 +56,22 @@ def _escape_label(value: str) -> str:
 
 def _escape_help(text: str) -> str:
     return text.replace("\\", r"\\").replace("\n", r"\n")
+
+
+def merge_stats(replies: Mapping[str, dict]) -> dict:
+    """Replicas' /v1/stats (by replica name, at least one) -> the deployment's."""
+    stats = list(replies.values())
+    merged: dict = {}
+    for key in stats[0]:
+        column = [entry.get(key) for entry in stats]
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in column)
+        if key in _SETTINGS or not numbers:
+            merged[key] = column[0]
+        elif key.endswith(_MEAN_SUFFIX):
+            merged[key] = sum(column) / len(column)
+        else:
+            merged[key] = sum(column)
+    if merged.get("prefix_cache_queries"):
+        merged["prefix_cache_hit_rate"] = merged["prefix_cache_hits"] / merged["prefix_cache_queries"]
+    merged["replicas"] = dict(replies)
+    return merged

@@ -1,25 +1,35 @@
-"""pagedrag vs HF transformers generate on CPU, side by side in one run.
+"""pagedrag vs HF transformers generate on CPU, and pagedrag's low-bit path vs its float32
+path and llama.cpp, side by side in one run.
 
-    python benchmarks/bench_cpu.py [--threads 2] [--repeats 3]
+    python benchmarks/bench_cpu.py [--threads 2] [--repeats 3] [--tables hf lowbit] [--busy]
 
-SmolLM2-135M-Instruct (the embedded default, float32), the RAG workload of
+SmolLM2-135M-Instruct (the embedded default), the RAG workload of
 pagedrag.entrypoints.bench (a fixed system prompt, 3-5 chunks from a pool of 16, a question;
-600-800 prompt tokens). Prints a markdown table for benchmarks/RESULTS.md.
+600-800 prompt tokens). Prints markdown tables for benchmarks/RESULTS.md.
+
+Table "hf": pagedrag float32 against HF generate. Table "lowbit": pagedrag on the GGUF's own
+4-bit weights (quantization="gguf", the embedded model's CPU default) against pagedrag
+float32 (quantization="none") and, when llama-cpp-python is installed, llama.cpp on the same
+GGUF file (an optional comparison; built as benchmarks/RESULTS.md says). ``--busy`` keeps a
+second process spinning on one core during the lowbit table.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import platform
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from pagedrag import LLM, SamplingParams
 from pagedrag.entrypoints.bench import rag_requests
-from pagedrag.models.loader import resolve_checkpoint
+from pagedrag.models.embedded import embedded_gguf
+from pagedrag.models.loader import cache_dir, resolve_checkpoint
 
 MAX_MODEL_LEN = 2048
 
@@ -85,10 +95,11 @@ def bench_decode(llm, hf, prompt, new_tokens, repeats) -> dict:
     return {"ours": statistics.median(ours), "hf": statistics.median(theirs)}
 
 
-def bench_memory(path, prompts, new_tokens) -> dict:
+def bench_memory(path, prompts, new_tokens, quantization: str | None = None) -> dict:
     """Real tokens in the KV pool / pool memory held, sampled every step (caching off,
     so each block belongs to one request), next to a contiguous max_model_len reservation."""
-    llm = LLM(path, max_model_len=MAX_MODEL_LEN, max_num_seqs=len(prompts), enable_prefix_caching=False)
+    llm = LLM(path, max_model_len=MAX_MODEL_LEN, max_num_seqs=len(prompts), enable_prefix_caching=False,
+              quantization=quantization)
     engine = llm.llm_engine
     for p in prompts:
         engine.add_request(None, {"prompt_token_ids": p}, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
@@ -104,30 +115,135 @@ def bench_memory(path, prompts, new_tokens) -> dict:
     return {"paged": statistics.mean(paged), "contiguous": statistics.mean(contiguous)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs behind each median")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    path = str(resolve_checkpoint(None))
-    llm = LLM(path, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+def engine_prefill_seconds(llm: LLM, prompt: list[int]) -> float:
+    """Time to the first token of ``prompt`` with an empty prefix cache (the whole prompt computed)."""
+    llm.llm_engine.reset_prefix_cache()
+    return engine_ttft(llm, prompt)
+
+
+def engine_decode_rate(llm: LLM, prompt: list[int], new_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    return (new_tokens - 1) / (out.metrics.finished_time - out.metrics.first_token_time)
+
+
+def engine_concurrent_rate(llm: LLM, prompts, warmup, new_tokens: int) -> float:
+    """Generated tokens a second for ``prompts`` all at once, the prefix cache warmed with
+    ``warmup`` (as bench_throughput's warm arm)."""
+    llm.llm_engine.reset_prefix_cache()
+    for prompt in warmup:
+        engine_ttft(llm, prompt)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return len(prompts) * new_tokens / (time.perf_counter() - start)
+
+
+class LlamaCpp:
+    """llama-cpp-python on the embedded model's GGUF file, greedy, EOS masked out."""
+
+    def __init__(self, threads: int, eos_token_id: int):
+        from llama_cpp import Llama
+
+        self.model = Llama(model_path=str(embedded_gguf(cache_dir())), n_ctx=MAX_MODEL_LEN, n_threads=threads,
+                           n_threads_batch=threads, verbose=False)
+        self.eos_token_id = eos_token_id
+
+    def prefill_seconds(self, prompt: list[int]) -> float:
+        self.model.reset()  # no reuse of the previous prompt's KV
+        start = time.perf_counter()
+        self.model.eval(prompt)
+        return time.perf_counter() - start
+
+    def decode_rate(self, prompt: list[int], new_tokens: int) -> float:
+        stamps = [time.perf_counter() for _ in self.model.create_completion(
+            prompt, max_tokens=new_tokens, temperature=0.0, stream=True,
+            logit_bias={self.eos_token_id: -1e9})]
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def llama_cpp_or_none(threads: int, eos_token_id: int) -> LlamaCpp | None:
+    try:
+        return LlamaCpp(threads, eos_token_id)
+    except ImportError:
+        print("llama-cpp-python is not installed: the llama.cpp column stays empty")
+        return None
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextmanager
+def one_core_busy(enabled: bool):
+    """A second process spinning on one core while the block runs (when ``enabled``)."""
+    burner = multiprocessing.Process(target=_spin, daemon=True) if enabled else None
+    if burner:
+        burner.start()
+    try:
+        yield
+    finally:
+        if burner:
+            burner.terminate()
+            burner.join()
+
+
+def bench_lowbit(fp32: LLM, prompts, args) -> dict:
+    """Low-bit vs float32 pagedrag (``fp32``) vs llama.cpp: each figure alternates the arms
+    ``repeats`` times and keeps the median; the 8-request throughput is the low-bit engine's."""
+    lowbit = LLM(None, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, quantization="gguf")
+    llama = llama_cpp_or_none(args.threads, lowbit.llm_engine.tokenizer.eos_token_id)
+    arms = {"lowbit": lowbit, "fp32": fp32}
+    figures = {name: {"decode": [], "prefill": []} for name in (*arms, "llama.cpp")}
+    figures["lowbit"]["concurrent"] = []
+    for engine in arms.values():
+        engine_ttft(engine, prompts[0])  # warm up
+    with one_core_busy(args.busy):
+        for _ in range(args.repeats):
+            for name, engine in arms.items():
+                figures[name]["decode"].append(engine_decode_rate(engine, prompts[0], 128))
+                figures[name]["prefill"].append(len(prompts[1]) / engine_prefill_seconds(engine, prompts[1]))
+            if llama is not None:
+                figures["llama.cpp"]["decode"].append(llama.decode_rate(prompts[0], 128))
+                figures["llama.cpp"]["prefill"].append(len(prompts[1]) / llama.prefill_seconds(prompts[1]))
+            figures["lowbit"]["concurrent"].append(engine_concurrent_rate(lowbit, prompts[16:24], prompts[:8],
+                                                                          args.new_tokens))
+    medians = {name: {k: statistics.median(v) for k, v in arm.items() if v} for name, arm in figures.items()}
+    medians["lowbit"]["memory"] = bench_memory(None, prompts[16:24], args.new_tokens, "gguf")["paged"]
+    medians["fp32"]["memory"] = bench_memory(None, prompts[16:24], args.new_tokens, "none")["paged"]
+    return medians
+
+
+def print_lowbit_table(m: dict, prompt_len: int, args) -> None:
+    llama = m["llama.cpp"]
+    versus = lambda key: f"{m['lowbit'][key] / llama[key]:.2f}x" if key in llama else "n/a"
+    shown = lambda arm, key: f"{m[arm][key]:.1f} tok/s" if key in m[arm] else "n/a"
+    concurrency = m["lowbit"]["concurrent"] / m["lowbit"]["decode"]
+    print(f"\nlow-bit (quantization='gguf') vs float32 vs llama.cpp, {args.threads} threads"
+          f"{', one core busy' if args.busy else ''}\n")
+    print("| figure | pagedrag low-bit | pagedrag fp32 | llama.cpp | low-bit vs llama.cpp | target |")
+    print("|---|---|---|---|---|---|")
+    print(f"| batch-1 decode, 128 tokens | {shown('lowbit', 'decode')} | {shown('fp32', 'decode')} | "
+          f"{shown('llama.cpp', 'decode')} | {versus('decode')} | >= 0.9x llama.cpp |")
+    print(f"| prefill, {prompt_len}-token prompt, cold cache | {shown('lowbit', 'prefill')} | "
+          f"{shown('fp32', 'prefill')} | {shown('llama.cpp', 'prefill')} | {versus('prefill')} | "
+          f">= fp32 ({m['lowbit']['prefill'] / m['fp32']['prefill']:.2f}x) |")
+    print(f"| 8 concurrent x {args.new_tokens} tokens, warm prefix cache | {shown('lowbit', 'concurrent')} | | | | "
+          f">= 2.5x batch-1 decode ({concurrency:.1f}x) |")
+    print(f"| KV memory holding real tokens / reserved | {m['lowbit']['memory']:.1%} | {m['fp32']['memory']:.1%} "
+          f"| | | unchanged |")
+
+
+def print_hf_table(llm: LLM, path: str, prompts, args) -> None:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = llm.get_tokenizer()
-    requests = rag_requests(24, num_chunk_sets=8, tokenizer=tokenizer)
-    prompts = [llm.apply_chat_template(r.messages())["prompt_token_ids"] for r in requests]
-    lengths = [len(p) for p in prompts]
     engine_ttft(llm, prompts[0]), hf_generate_seconds(hf, prompts[0], 1)  # warm both up
     llm.llm_engine.reset_prefix_cache()
-
     ttft = bench_ttft(llm, hf, prompts[:8], prompts[8:16])
     throughput = bench_throughput(llm, hf, prompts[16:24], prompts[:8], args.new_tokens, args.repeats)
     decode = bench_decode(llm, hf, prompts[0], 128, args.repeats)
     memory = bench_memory(path, prompts[16:24], args.new_tokens)
 
-    print(f"\nSmolLM2-135M-Instruct fp32, {args.threads} threads, {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}; prompts {min(lengths)}-{max(lengths)} tokens\n")
     print("| figure | pagedrag | HF generate | ratio | target |")
     print("|---|---|---|---|---|")
     print(f"| median TTFT, warm prefix cache (hit {ttft['hit']:.0%} of prompt tokens) | "
@@ -139,6 +255,28 @@ def main() -> None:
           f"{decode['ours'] / decode['hf']:.2f}x | >= 1.0x |")
     print(f"| KV memory holding real tokens / reserved | {memory['paged']:.1%} (paged, block 16) | "
           f"{memory['contiguous']:.1%} (contiguous max_model_len={MAX_MODEL_LEN}) | | >= 96% |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs behind each median")
+    parser.add_argument("--tables", nargs="+", choices=("hf", "lowbit"), default=["hf", "lowbit"])
+    parser.add_argument("--busy", action="store_true", help="a second process spins on one core (lowbit table)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = str(resolve_checkpoint(None))
+    llm = LLM(path, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, quantization="none")
+    requests = rag_requests(24, num_chunk_sets=8, tokenizer=llm.get_tokenizer())
+    prompts = [llm.apply_chat_template(r.messages())["prompt_token_ids"] for r in requests]
+    lengths = [len(p) for p in prompts]
+    print(f"\nSmolLM2-135M-Instruct, {args.threads} threads, {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}; prompts {min(lengths)}-{max(lengths)} tokens\n")
+    if "hf" in args.tables:
+        print_hf_table(llm, path, prompts, args)
+    if "lowbit" in args.tables:
+        print_lowbit_table(bench_lowbit(llm, prompts, args), len(prompts[1]), args)
 
 
 if __name__ == "__main__":

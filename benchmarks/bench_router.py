@@ -2,6 +2,7 @@
 throughput against one engine, and a replica killed mid-run.
 
     python benchmarks/bench_router.py [--questions 96] [--concurrency 8] [--max-tokens 8] [--simulate-only]
+                                      [--ray] [--arms 0 4]
 
 First a simulation over the whole stream (no model: the router's own ReplicaChooser over the
 requests' block hashes, each replica's cache the blocks sent to it, unbounded; ``--concurrency``
@@ -18,7 +19,8 @@ clients (saturating: more than the replicas run at once). Arms:
 - one replica (`pagedrag serve`);
 - 2 replicas, round-robin;
 - 2 replicas, prefix affinity (the default policy);
-- 2 replicas, prefix affinity, one replica SIGKILLed halfway through (the router restarts it).
+- 2 replicas, prefix affinity, one replica SIGKILLed halfway through (the router restarts it);
+- with ``--ray``: 2 replicas on Ray Serve (pagedrag.router.ray_app, a local Ray instance).
 
 Per arm: prefix-cache hit rate (prefix_cache_hits / prompt tokens, the replicas' sums from
 /metrics), requests failed, generated tokens per second. Prints a markdown table. Every replica
@@ -37,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -55,30 +58,60 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ENGINE_FLAGS = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(1 << 30), "--log-level", "warning"]
 
 
-class Server:
-    """A `pagedrag serve` subprocess with ``flags``, up until closed."""
+RAY_APPLICATION = """
+import signal, sys, time
+import ray
+from ray import serve
+from pagedrag.router.ray_app import build_app
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # exit through ray.shutdown
+ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
+serve.start(http_options={"port": int(sys.argv[1])})
+serve.run(build_app({"num_replicas": 2, "num_cpus": 1, "max_model_len": 2048,
+                     "kv_cache_memory_bytes": 1 << 30}), route_prefix="/")
+while True:
+    time.sleep(60)
+"""
 
-    def __init__(self, flags: list[str], threads: int, log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+
+class Server:
+    """A server subprocess (`pagedrag serve ...`, or the Ray Serve application) on ``port``,
+    up with ``replicas`` replicas until closed."""
+
+    def __init__(self, command: list[str], port: int, threads: int, log: Path, replicas: int):
+        self.url = f"http://127.0.0.1:{port}"
         env = os.environ | {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(log, "w") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "pagedrag", "serve", "--port", str(self.port),
-                                             *ENGINE_FLAGS, *flags], stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         self.log = log
-        self._wait_up(replicas=2 if "--data-parallel-size" in flags else 1)
+        self._wait_up(replicas)
 
-    def _wait_up(self, replicas: int, timeout: float = 600) -> None:
+    @classmethod
+    def serve(cls, flags: list[str], threads: int, log: Path) -> "Server":
+        port = free_port()
+        command = [sys.executable, "-m", "pagedrag", "serve", "--port", str(port), *ENGINE_FLAGS, *flags]
+        return cls(command, port, threads, log, replicas=2 if "--data-parallel-size" in flags else 1)
+
+    @classmethod
+    def ray(cls, threads: int, log: Path) -> "Server":
+        port = free_port()
+        return cls([sys.executable, "-c", RAY_APPLICATION, str(port)], port, threads, log, replicas=2)
+
+    def _wait_up(self, replicas: int, timeout: float = 900) -> None:
+        """Until /health answers and /metrics has every replica's series."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.process.poll() is None:
             try:
-                reply = httpx.get(self.url + "/health", timeout=2)
-                if reply.status_code == 200 and reply.json().get("replicas_up", 1) >= replicas:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200 and self._replicas() >= replicas:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(1)
         raise RuntimeError(f"server did not come up: {self.log.read_text()[-2000:]}")
+
+    def _replicas(self) -> int:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        labels = {s.labels.get("replica") for family in text_string_to_metric_families(text) for s in family.samples}
+        return max(len(labels - {None}), 1)
 
     def counters(self) -> dict[str, float]:
         """The summed counters (no replica label) by sample name."""
@@ -178,6 +211,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--simulate-only", action="store_true")
+    parser.add_argument("--ray", action="store_true", help="add 2 replicas on Ray Serve (pip install 'ray[serve]')")
+    parser.add_argument("--arms", type=int, nargs="+", default=None, help="run only these arms (0-based)")
     args = parser.parse_args()
     simulate(chat_bodies(len(rag_stream()), args.max_tokens), args.concurrency)  # the whole stream
     if args.simulate_only:
@@ -185,15 +220,19 @@ def main() -> None:
     bodies = chat_bodies(args.questions, args.max_tokens)
     cores = os.cpu_count() or 1
     threads = max(cores // 2, 1)  # per replica, the one-replica arm included: the comparison is per replica
-    arms = [("one replica", [], threads, False),
-            ("2 replicas, round-robin", ["--data-parallel-size", "2", "--router-policy", "round_robin"], threads,
-             False),
-            ("2 replicas, prefix affinity", ["--data-parallel-size", "2"], threads, False),
-            ("2 replicas, prefix affinity, one killed halfway", ["--data-parallel-size", "2"], threads, True)]
+    arms = [("one replica", partial(Server.serve, []), False),
+            ("2 replicas, round-robin", partial(Server.serve, ["--data-parallel-size", "2", "--router-policy",
+                                                               "round_robin"]), False),
+            ("2 replicas, prefix affinity", partial(Server.serve, ["--data-parallel-size", "2"]), False),
+            ("2 replicas, prefix affinity, one killed halfway", partial(Server.serve, ["--data-parallel-size", "2"]),
+             True)]
+    if args.ray:
+        arms.append(("2 replicas on Ray Serve, prefix affinity", Server.ray, False))
+    arms = [arm for number, arm in enumerate(arms) if args.arms is None or number in args.arms]
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for number, (name, flags, threads, kill) in enumerate(arms):
-            server = Server(flags, threads, Path(folder) / f"arm{number}.log")
+        for number, (name, start, kill) in enumerate(arms):
+            server = start(threads, Path(folder) / f"arm{number}.log")
             try:
                 rows.append((name, run_stream(server, bodies, args.concurrency, kill)))
             finally:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from pagedrag.models.lowbit.methods import check_quantization
+
 # On CPU there is no "device memory": unless kv_cache_memory_bytes is given, the
 # pool takes this share of the memory the OS reports available at start.
 DEFAULT_CPU_KV_FRACTION = 0.10
@@ -46,6 +48,9 @@ class EngineArgs:
     device: str = _arg("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
     seed: int = _arg(0, "seed of the engine's random state (requests without a seed of their own)")
     load_format: str = _arg("auto", "auto (the checkpoint's weights) or dummy (random weights, for benchmarks)")
+    quantization: str | None = _arg(None, "low-bit weights on CPU: gguf (a GGUF file's own 4-bit blocks, e.g. "
+                                          "the embedded model's), int4 or int8 (weight-only, quantized at "
+                                          "load); default (None or none): float weights")
     gpu_memory_utilization: float = _arg(0.90, "share of the device memory left after the weights that the "
                                                "KV block pool takes")
     kv_cache_memory_bytes: int | None = _arg(None, "KV pool size in bytes (overrides gpu_memory_utilization; "
@@ -128,6 +133,7 @@ class EngineArgs:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        check_quantization(self.quantization)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -48,7 +48,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             configure_cpu_threads(args.cpu_threads)
         loaded = load_model(args.model, dtype=self.dtype, device=self.device, load_format=args.load_format,
-                            max_model_len=args.max_model_len, source=args.model_source())
+                            max_model_len=args.max_model_len, source=args.model_source(),
+                            quantization=args.quantization)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         # A Logprob's text; bound to the tokenizer, not to self (no reference cycle: an engine

@@ -278,6 +278,7 @@ class LlamaForCausalLM(nn.Module):
     Parameter names match HF checkpoints except the merged projections
     (``qkv_proj`` = q|k|v, ``gate_up_proj`` = gate|up) and, with tied embeddings,
     the absent ``lm_head`` (logits then use ``model.embed_tokens.weight``).
+    pagedrag.models.lowbit may replace the projections by low-bit modules after loading.
     """
 
     def __init__(self, config: PretrainedConfig):
@@ -290,6 +291,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.low_bit_head: nn.Module | None = None  # set by pagedrag.models.lowbit under "gguf"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -305,6 +307,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor, ops: ModuleType) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        """hidden [N, hidden] -> float32 logits [N, vocab] (through the low-bit head when set)."""
+        if self.low_bit_head is not None:
+            return self.low_bit_head(hidden, ops).float()
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return ops.linear(hidden, weight).float()

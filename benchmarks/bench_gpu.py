@@ -1,11 +1,13 @@
-"""pagedrag vs HF transformers generate on one NVIDIA GPU, side by side in one run.
+"""pagedrag vs HF transformers generate on NVIDIA GPUs, side by side in one run.
 
-    python benchmarks/bench_gpu.py [--skip-hf]
+    python benchmarks/bench_gpu.py [--skip-hf] [--shape 8b|70b] [--tensor-parallel-size 1 2]
 
 Llama-3-8B shape (32 layers, hidden 4096, intermediate 14336, 32 heads, 8 KV heads,
-head_dim 128, vocab 128256) with random bf16 weights; fixed output lengths (EOS
-ignored), greedy on both sides. Prints a markdown table with each figure's floor: bytes / copy bandwidth
-measured here, or FLOPs / PEAK_TFLOPS.
+head_dim 128, vocab 128256), or Llama-3-70B's (80 layers, hidden 8192, intermediate 28672,
+64 heads, 8 KV heads), with random bf16 weights; fixed output lengths (EOS ignored), greedy
+on both sides. With several tensor-parallel sizes the engine runs once per size (HF once,
+on one GPU; not for the 70B shape, which does not fit one). Prints a markdown table with
+each figure's floor: bytes / (copy bandwidth x GPUs) measured here, or FLOPs / PEAK_TFLOPS.
 """
 
 from __future__ import annotations
@@ -25,11 +27,22 @@ NEW_TOKENS = 128
 SYSTEM, CHUNK, QUESTION, POOL, PER_REQUEST, REQUESTS = 256, 256, 32, 16, 4, 32
 
 
-def llama3_8b_config() -> LlamaConfig:
-    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+SHAPES = {  # name -> (layers, hidden, intermediate, heads, parameters)
+    "8b": (32, 4096, 14336, 32, 8.03e9),
+    "70b": (80, 8192, 28672, 64, 70.6e9),
+}
+
+
+def llama3_config(shape: str = "8b") -> LlamaConfig:
+    layers, hidden, intermediate, heads, _ = SHAPES[shape]
+    return LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
                        architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
+
+
+def llama3_8b_config() -> LlamaConfig:
+    return llama3_config("8b")
 
 
 def copy_bandwidth() -> float:
@@ -88,9 +101,9 @@ def hf_figures(config: LlamaConfig, prompts: list[list[int]]) -> dict:
     return {"ttft": ttft, "decode": decode, "rag": rag}
 
 
-def engine_figures(folder: str, prompts: list[list[int]]) -> dict:
+def engine_figures(folder: str, prompts: list[list[int]], tensor_parallel_size: int = 1) -> dict:
     llm = LLM(folder, load_format="dummy", max_model_len=4096, max_num_seqs=64,
-              gpu_memory_utilization=0.85)
+              gpu_memory_utilization=0.85, tensor_parallel_size=tensor_parallel_size)
     one = lambda p, n: llm.generate({"prompt_token_ids": p},  # noqa: E731
                                     SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
                                     use_tqdm=False)[0]
@@ -112,6 +125,7 @@ def engine_figures(folder: str, prompts: list[list[int]]) -> dict:
     seconds = timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
     stats = llm.stats()
     hit_rate = (stats["prefix_cache_hits"] - hits_before) / (stats["prefix_cache_queries"] - queries_before)
+    llm.llm_engine.shutdown()
     return {"ttft_cold": cold, "ttft_cached": cached.metrics.ttft, "cached_tokens": cached.num_cached_tokens,
             "decode": decode, "rag": REQUESTS * NEW_TOKENS / seconds, "rag_seconds": seconds,
             "hit_rate": hit_rate, "blocks": stats["num_gpu_blocks"]}
@@ -125,39 +139,63 @@ def _fresh_ttft(llm, one, prompt) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1])
     args = parser.parse_args()
-    config = llama3_8b_config()
+    config = llama3_config(args.shape)
     prompts = rag_prompts()
     bandwidth = copy_bandwidth()
-    hf = None if args.skip_hf else hf_figures(config, prompts)
+    hf = None if args.skip_hf or args.shape != "8b" else hf_figures(config, prompts)
+    runs = {}
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
-        ours = engine_figures(folder, prompts)
+        for size in args.tensor_parallel_size:
+            if size > torch.cuda.device_count():
+                print(f"tensor_parallel_size={size}: skipped, {torch.cuda.device_count()} GPU(s) here")
+                continue
+            runs[size] = engine_figures(folder, prompts, size)
+    print(f"\n{torch.cuda.get_device_name()} x {torch.cuda.device_count()}, torch {torch.__version__}; "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s a GPU; Llama-3-{args.shape} shape\n")
+    print("| figure | " + " | ".join(f"pagedrag TP={size}" for size in runs) + " | HF generate (1 GPU) | "
+          "floor (TP=" + ", ".join(map(str, runs)) + ") |")
+    print("|---|" + "---|" * (len(runs) + 2))
+    for row in figure_rows(config, args.shape, runs, hf, bandwidth):
+        print("| " + " | ".join(row) + " |")
 
-    params = 8.03e9
+
+def figure_rows(config: LlamaConfig, shape: str, runs: dict[int, dict], hf: dict | None,
+                bandwidth: float) -> list[list[str]]:
+    """The table's rows: each figure for every tensor-parallel size, HF's, and the floors."""
+    params = SHAPES[shape][4]
     weight_bytes = 2 * params
-    kv_per_token = 2 * 32 * 8 * 128 * 2
+    kv_per_token = 2 * config.num_hidden_layers * 8 * 128 * 2
     flops_per_token = 2 * params
-    floor_decode1 = (weight_bytes + 1376 * kv_per_token) / bandwidth
-    uncached = sum(len(p) for p in prompts) * (1 - ours["hit_rate"])
-    floor_rag = (uncached * flops_per_token / (PEAK_TFLOPS * 1e12)
-                 + NEW_TOKENS * (weight_bytes + REQUESTS * 1376 * kv_per_token) / bandwidth)
-    floor_cold = 1312 * flops_per_token / (PEAK_TFLOPS * 1e12)
-    floor_cached = weight_bytes / bandwidth
     hf_col = (lambda key, fmt: fmt.format(hf[key])) if hf else (lambda key, fmt: "skipped")
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
-          f"{bandwidth / 1e12:.2f} TB/s; KV pool {ours['blocks']} blocks of 16 tokens\n")
-    print("| figure | pagedrag | HF generate | floor | target |")
-    print("|---|---|---|---|---|")
-    print(f"| batch-1 decode, 1.3k context | {ours['decode'] * 1e3:.2f} ms/token | "
-          f"{hf_col('decode', '{:.4f}')} s/token | {floor_decode1 * 1e3:.2f} ms | <= 5.0 ms |")
-    print(f"| RAG workload, 32 x (1,312 prompt + 128 new), stable order | {ours['rag']:.0f} tok/s "
-          f"({ours['rag_seconds']:.2f} s, prefix hit {ours['hit_rate']:.1%}) | {hf_col('rag', '{:.0f}')} tok/s | "
-          f"{REQUESTS * NEW_TOKENS / floor_rag:.0f} tok/s ({floor_rag:.2f} s) | >= 2,400 tok/s |")
-    print(f"| TTFT, 1,312-token prompt, cold | {ours['ttft_cold'] * 1e3:.1f} ms | "
-          f"{hf_col('ttft', '{:.3f}')} s | {floor_cold * 1e3:.1f} ms | <= 35 ms |")
-    print(f"| TTFT, 1,312-token prompt, {ours['cached_tokens']} tokens cached | "
-          f"{ours['ttft_cached'] * 1e3:.1f} ms | | {floor_cached * 1e3:.1f} ms (weights once) | <= 8 ms |")
+
+    def floors(fn) -> str:
+        return ", ".join(fn(size) for size in runs)
+
+    def floor_rag(size: int, hit_rate: float) -> float:
+        uncached = sum(len(p) for p in rag_prompts()) * (1 - hit_rate)
+        return (uncached * flops_per_token / (PEAK_TFLOPS * 1e12 * size)
+                + NEW_TOKENS * (weight_bytes + REQUESTS * 1376 * kv_per_token) / (bandwidth * size))
+
+    return [
+        ["batch-1 decode, 1.3k context", *(f"{r['decode'] * 1e3:.2f} ms/token" for r in runs.values()),
+         hf_col("decode", "{:.4f} s/token"),
+         floors(lambda n: f"{(weight_bytes + 1376 * kv_per_token) / (bandwidth * n) * 1e3:.2f} ms")],
+        ["RAG workload, 32 x (1,312 prompt + 128 new), stable order",
+         *(f"{r['rag']:.0f} tok/s ({r['rag_seconds']:.2f} s, prefix hit {r['hit_rate']:.1%})" for r in runs.values()),
+         hf_col("rag", "{:.0f} tok/s"),
+         floors(lambda n: f"{REQUESTS * NEW_TOKENS / floor_rag(n, runs[n]['hit_rate']):.0f} tok/s")],
+        ["TTFT, 1,312-token prompt, cold", *(f"{r['ttft_cold'] * 1e3:.1f} ms" for r in runs.values()),
+         hf_col("ttft", "{:.3f} s"),
+         floors(lambda n: f"{1312 * flops_per_token / (PEAK_TFLOPS * 1e12 * n) * 1e3:.1f} ms")],
+        ["TTFT, 1,312-token prompt, 1,280 tokens cached",
+         *(f"{r['ttft_cached'] * 1e3:.1f} ms" for r in runs.values()), "",
+         floors(lambda n: f"{weight_bytes / (bandwidth * n) * 1e3:.1f} ms")],
+        ["KV pool (blocks of 16 tokens)", *(str(r["blocks"]) for r in runs.values()), "", ""],
+    ]
 
 
 if __name__ == "__main__":

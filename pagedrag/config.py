@@ -75,7 +75,9 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "no CUDA graphs (debugging)")
     async_scheduling: bool | None = _arg(None, "launch step N+1 before reading step N's tokens; default: "
                                                "on for CUDA, off for CPU")
-    tensor_parallel_size: int = _arg(1, "GPUs to shard the model over (only 1 for now)")
+    tensor_parallel_size: int = _arg(1, "ranks to shard the model over: one process per GPU on CUDA (NCCL), "
+                                        "or per share of the cores on CPU (gloo); must divide the "
+                                        "attention and KV heads")
     disable_log_stats: bool = _arg(False, "no periodic stats line in the log")
     metrics_prefix: str = _arg("pagedrag", "prefix of the Prometheus series: pagedrag, or vllm for dashboards "
                                            "made for vLLM")
@@ -120,9 +122,14 @@ class EngineArgs:
              f"device must be auto, cpu or cuda[:N], got {self.device!r}"),
             (self.load_format in ("auto", "dummy"),
              f"load_format must be auto or dummy, got {self.load_format!r}"),
-            (self.tensor_parallel_size == 1,
-             f"tensor_parallel_size={self.tensor_parallel_size}: pagedrag runs on one device for now "
-             "(tensor parallelism is planned); use tensor_parallel_size=1"),
+            (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+             f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}"),
+            (self.tensor_parallel_size == 1 or self.quantization in (None, "none"),
+             f"quantization={self.quantization!r} runs on one CPU process; it cannot be combined with "
+             f"tensor_parallel_size={self.tensor_parallel_size}"),
+            (self.tensor_parallel_size == 1 or self.chunk_recompute_strategy == "first",
+             "chunk_recompute_strategy='deviation' probes the model on one rank; with "
+             f"tensor_parallel_size={self.tensor_parallel_size} use 'first'"),
             (self.metrics_prefix in ("pagedrag", "vllm"),
              f"metrics_prefix must be pagedrag or vllm, got {self.metrics_prefix!r}"),
             (self.cpu_threads is None or self.cpu_threads >= 1,

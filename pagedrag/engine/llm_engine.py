@@ -12,26 +12,26 @@ import functools
 import itertools
 import logging
 import time
+import weakref
 
 import torch
 
-from pagedrag.config import DEFAULT_CPU_KV_FRACTION, GIB_BYTES, EngineArgs
-from pagedrag.core.block_pool import blocks_for
+from pagedrag.config import EngineArgs
+from pagedrag.distributed.launch import start_ranks
 from pagedrag.core.kv_cache_manager import KVCacheManager
 from pagedrag.core.scheduler import Scheduler, SchedulerOutput
 from pagedrag.engine.inputs import InputProcessor, ProcessedPrompt, PromptType, ToolSettings
 from pagedrag.metrics import EngineMetrics
 from pagedrag.engine.stats_log import StatsLog
-from pagedrag.models.loader import load_model
 from pagedrag.engine.output_processor import (RequestGroup, StopPolicy, mark_first_token, new_sequence_text,
                                record_logprobs, record_prompt_logprobs, update_text)
 from pagedrag.outputs import RequestOutput
 from pagedrag.engine.recovery import EngineDeadError, Probation, is_device_failure
 from pagedrag.core.request import Request, RequestStatus
 from pagedrag.sampling_params import SamplingParams
-from pagedrag.worker.kv_cache import CacheShape, KVCacheTensors, available_cpu_memory, log_pool
-from pagedrag.worker.model_runner import InflightTokens, ModelRunner, SamplingRow
-from pagedrag.worker.cpu_threads import configure_cpu_threads
+from pagedrag.worker.device_side import build_device_side
+from pagedrag.worker.kv_cache import log_pool
+from pagedrag.worker.model_runner import InflightTokens, SamplingRow
 from pagedrag.worker.sampler import Sample
 
 logger = logging.getLogger("pagedrag")
@@ -42,14 +42,17 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs):
         self.args = args
-        self.device = args.resolved_device()
-        self.dtype = args.resolved_dtype(self.device)
-        torch.manual_seed(args.seed)
-        if self.device.type == "cpu":
-            configure_cpu_threads(args.cpu_threads)
-        loaded = load_model(args.model, dtype=self.dtype, device=self.device, load_format=args.load_format,
-                            max_model_len=args.max_model_len, source=args.model_source(),
-                            quantization=args.quantization)
+        self.ranks = start_ranks(args)  # one rank, or rank 0 of a tensor-parallel group
+        # Stops the workers when the engine is dropped or the interpreter exits (no reference to self).
+        self._stop_ranks = weakref.finalize(self, self.ranks.stop)
+        try:
+            side = build_device_side(args, self.ranks.group)
+        except BaseException:
+            self.shutdown()
+            raise
+        loaded = side.loaded
+        self.device = side.runner.device
+        self.dtype = side.shape.dtype
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         # A Logprob's text; bound to the tokenizer, not to self (no reference cycle: an engine
@@ -64,17 +67,16 @@ class LLMEngine:
                                      ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice))
         self.inputs.segment_prompts = args.enable_chunk_reuse
         self.default_params = SamplingParams(**loaded.sampling_defaults)
-        self.shape = CacheShape(loaded.module.num_layers, args.block_size, loaded.module.num_kv_heads,
-                                loaded.module.head_dim, self.dtype)
-        self.num_blocks = self._plan_num_blocks()
-        num_cpu_blocks = self.shape.blocks_in(args.swap_space * GIB_BYTES) if args.preemption_mode == "swap" else 0
+        self.shape = side.shape
+        self.num_blocks = side.num_blocks
+        num_cpu_blocks = side.num_cpu_blocks
         chunk_reuse = (args.chunk_recompute_fraction, self.model_name) if args.enable_chunk_reuse else None
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks,
                                  chunk_reuse)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs,
                                    args.resolved_max_num_batched_tokens(self.max_model_len, self.device),
                                    args.enable_chunked_prefill, args.preemption_mode, self.max_model_len)
-        self.runner = self._make_runner(loaded.module, num_cpu_blocks)
+        self.runner = side.runner
         self.async_scheduling = args.resolved_async_scheduling(self.device)
         self._inflight: InflightTokens | None = None  # the last step's tokens, not yet read
         self.probation = Probation()
@@ -91,39 +93,9 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
 
-    def _make_runner(self, module: torch.nn.Module, num_cpu_blocks: int) -> ModelRunner:
-        """The model runner over a fresh KV pool, with CUDA graphs unless enforce_eager."""
-        from pagedrag import kernels
-        cache = KVCacheTensors(self.shape, self.num_blocks, num_cpu_blocks, self.device,
-                               kernels.ops_for(self.device))
-        eos_token_id = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        runner = ModelRunner(module, cache, self.args.block_size, self.device, eos_token_id,
-                             self.args.chunk_recompute_strategy)
-        if self.device.type == "cuda" and not self.args.enforce_eager:
-            runner.capture_graphs(self.args.max_num_seqs, self.max_model_len)
-        return runner
-
-    # ---- sizing -------------------------------------------------------------
-    def _plan_num_blocks(self) -> int:
-        args = self.args
-        if args.num_gpu_blocks_override is not None:
-            num_blocks = args.num_gpu_blocks_override
-        elif args.kv_cache_memory_bytes is not None:
-            num_blocks = self.shape.blocks_in(args.kv_cache_memory_bytes)
-        elif self.device.type == "cuda":
-            free_after_weights, _ = torch.cuda.mem_get_info(self.device)
-            num_blocks = self.shape.blocks_in(free_after_weights * args.gpu_memory_utilization)
-        else:
-            num_blocks = self.shape.blocks_in(available_cpu_memory() * DEFAULT_CPU_KV_FRACTION)
-        needed = blocks_for(self.max_model_len, args.block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"the KV pool holds {num_blocks} blocks of {args.block_size} tokens "
-                f"({num_blocks * args.block_size} tokens), fewer than one sequence of "
-                f"max_model_len={self.max_model_len} needs ({needed} blocks): give the pool more "
-                "memory (gpu_memory_utilization / kv_cache_memory_bytes / num_gpu_blocks_override) "
-                "or lower max_model_len")
-        return num_blocks
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is dropped)."""
+        self._stop_ranks()
 
     # ---- requests -----------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType | ProcessedPrompt,

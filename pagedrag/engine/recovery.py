@@ -15,6 +15,8 @@ from collections import deque
 
 import torch
 
+from pagedrag.distributed.group import TensorParallelFailure
+
 # Markers of errors that leave the device (and so every request on it) unusable.
 _DEVICE_FAILURE_MARKERS = ("CUDA error", "CUBLAS_STATUS", "cuDNN error", "device-side assert",
                            "illegal memory access", "NCCL error")
@@ -31,7 +33,10 @@ class RequestFailedError(RuntimeError):
 
 
 def is_device_failure(error: BaseException) -> bool:
-    """True for errors of the device itself (CUDA faults, device out of memory)."""
+    """True for errors of the device itself (CUDA faults, device out of memory) and for a
+    tensor-parallel group that fell apart (a worker died, or the ranks fell out of step)."""
+    if isinstance(error, TensorParallelFailure):
+        return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):
         return True

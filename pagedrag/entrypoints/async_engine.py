@@ -279,6 +279,7 @@ class AsyncLLMEngine:
             if running and self._has_work():
                 self._step()
         self._fail_in_flight(EngineDeadError("the engine has shut down"))
+        self.engine.shutdown()  # its tensor-parallel workers, if any
 
     def _has_work(self) -> bool:
         return self._dead_reason is None and self.engine.has_unfinished_requests()

@@ -19,6 +19,10 @@ Invariants:
   the window; past it they differ.
 - Norms, rotary embedding and the MLP activation run through ``meta.ops``, like
   attention: the torch references on CPU, fused Triton kernels on CUDA.
+- Under tensor parallelism (``group.size`` N > 1) each rank holds 1/N of the heads, KV
+  heads, intermediate features and vocabulary (pagedrag.models.parallel_layers): one
+  all-reduce after each attention and MLP block, one in the embedding, an all-gather of
+  the logits. At N = 1 the model is exactly the single-device one.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from pagedrag.distributed.group import SINGLE, TensorParallelGroup
 from pagedrag.models.attention import AttentionMetadata, PagedAttention
+from pagedrag.models.parallel_layers import (Linear, MergedLinear, RowParallelLinear, VocabParallelEmbedding,
+                                             VocabParallelHead, vocab_logits)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -86,6 +93,17 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def check_splittable(config: PretrainedConfig, tensor_parallel_size: int) -> None:
+    """ValueError unless ``tensor_parallel_size`` divides the attention heads, the KV heads and
+    the MLP's intermediate size (each rank holds an equal share of each)."""
+    counts = {"attention heads": config.num_attention_heads, "KV heads": config.num_key_value_heads,
+              "intermediate size": config.intermediate_size}
+    uneven = [f"{count} {what}" for what, count in counts.items() if count % tensor_parallel_size]
+    if uneven:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the model's "
+                         f"{', '.join(uneven)}: each rank holds an equal share of them")
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, optionally fused with the residual add.
 
@@ -101,29 +119,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, ops: ModuleType):
         return ops.rms_norm(x, self.weight, self.eps, residual)
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose product runs through ``ops.linear`` (oneDNN on CPU, cuBLAS on CUDA)."""
-
-    def forward(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
-
-
-class MergedLinear(Linear):
-    """Several projections of one input stacked along the output dim (one GEMM).
-
-    Shard i owns output rows [sum(shard_sizes[:i]), sum(shard_sizes[:i+1])).
-    """
-
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
-        self.shard_sizes = list(shard_sizes)
-
-    def shard(self, tensor_name: str, index: int) -> torch.Tensor:
-        """A view of shard ``index`` of the 'weight' or 'bias' tensor (for loading)."""
-        start = sum(self.shard_sizes[:index])
-        return getattr(self, tensor_name).narrow(0, start, self.shard_sizes[index])
 
 
 def rope_frequencies(config: PretrainedConfig,
@@ -182,14 +177,15 @@ class RotaryEmbedding(nn.Module):
 class LlamaAttention(nn.Module):
     """qkv projection, optional per-head q/k norm, rope, paged attention, output projection."""
 
-    def __init__(self, config: PretrainedConfig, variant: Variant):
+    def __init__(self, config: PretrainedConfig, variant: Variant, group: TensorParallelGroup):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads // group.size  # this rank's heads
+        self.num_kv_heads = config.num_key_value_heads // group.size
         self.head_dim = head_dim_of(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], variant.qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=variant.o_bias)
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], variant.qkv_bias, group)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, variant.o_bias, group)
         if variant.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -210,13 +206,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up as one merged GEMM."""
 
-    def __init__(self, config: PretrainedConfig, variant: Variant):
+    def __init__(self, config: PretrainedConfig, variant: Variant, group: TensorParallelGroup):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; pagedrag supports 'silu'")
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], variant.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=variant.mlp_bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], variant.mlp_bias, group)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, variant.mlp_bias, group)
 
     def forward(self, x: torch.Tensor, ops: ModuleType) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, ops)), ops)
@@ -225,12 +221,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; carries the residual stream separately so norms fuse the add."""
 
-    def __init__(self, config: PretrainedConfig, variant: Variant):
+    def __init__(self, config: PretrainedConfig, variant: Variant, group: TensorParallelGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, variant)
+        self.self_attn = LlamaAttention(config, variant, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, variant)
+        self.mlp = LlamaMLP(config, variant, group)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata):
@@ -247,12 +243,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, config: PretrainedConfig, variant: Variant):
+    def __init__(self, config: PretrainedConfig, variant: Variant, group: TensorParallelGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, variant) for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, variant, group) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -281,16 +277,18 @@ class LlamaForCausalLM(nn.Module):
     pagedrag.models.lowbit may replace the projections by low-bit modules after loading.
     """
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, group: TensorParallelGroup = SINGLE):
         super().__init__()
+        check_splittable(config, group.size)
         self.config = config
+        self.group = group
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = config.num_key_value_heads // group.size  # this rank's share
         self.head_dim = head_dim_of(config)
-        self.model = LlamaModel(config, Variant.of(config))
+        self.model = LlamaModel(config, Variant.of(config), group)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, group)
         self.low_bit_head: nn.Module | None = None  # set by pagedrag.models.lowbit under "gguf"
 
     @property
@@ -311,4 +309,4 @@ class LlamaForCausalLM(nn.Module):
         if self.low_bit_head is not None:
             return self.low_bit_head(hidden, ops).float()
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return ops.linear(hidden, weight).float()
+        return vocab_logits(hidden, weight, self.config.vocab_size, ops, self.group)

@@ -40,9 +40,11 @@ from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, Pretraine
 
 from pagedrag.models.embedded import embedded_gguf
 from pagedrag.models.hub import HubOptions, hub_snapshot
-from pagedrag.models.llama import LlamaForCausalLM, RMSNorm, architecture_of
+from pagedrag.distributed.group import SINGLE, TensorParallelGroup
+from pagedrag.models.llama import LlamaForCausalLM, RMSNorm, architecture_of, check_splittable
 from pagedrag.models.lowbit.apply import quantize_model
 from pagedrag.models.lowbit.methods import resolve_quantization
+from pagedrag.models.parallel_layers import load_weight
 
 EMBEDDED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _EMBEDDED_ALIASES = {"smollm2-135m-instruct", EMBEDDED_NAME.lower()}
@@ -93,8 +95,9 @@ class ModelSource:
 def load_model(model: str | None = None, *, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", max_model_len: int | None = None,
                hf_config: PretrainedConfig | None = None, source: ModelSource = ModelSource(),
-               quantization: str | None = None) -> LoadedModel:
-    """Load ``model`` (see the module docstring) in ``dtype`` onto ``device``.
+               quantization: str | None = None, group: TensorParallelGroup = SINGLE) -> LoadedModel:
+    """Load ``model`` (see the module docstring) in ``dtype`` onto ``device``: under tensor
+    parallelism, this rank's part of every split weight (pagedrag.models.parallel_layers).
 
     load_format "auto" reads the checkpoint's weights; "dummy" fills random
     weights (normal, std 0.02; norms 1) on the device, for benchmarks. Only
@@ -108,15 +111,18 @@ def load_model(model: str | None = None, *, dtype: torch.dtype, device: torch.de
         raise ValueError("hf_config is only accepted with load_format='dummy'")
     method = resolve_quantization(quantization, device_type=torch.device(device).type,
                                   is_gguf=load_format == "auto" and (_is_embedded(model) or model.endswith(".gguf")))
-    path = None if hf_config is not None and model is None else resolve_checkpoint(model, source.hub)
-    config = hf_config if hf_config is not None else AutoConfig.from_pretrained(
-        path, trust_remote_code=source.trust_remote_code)
-    architecture_of(config)  # fail on unsupported models before allocating anything
-    module = _empty_model(config, dtype, torch.device(device))
+    if hf_config is not None:
+        path = None if model is None else resolve_checkpoint(model, source.hub)
+        config = hf_config
+    else:
+        path, config = model_config(model, source)
+    architecture_of(config)  # fail on unsupported or unsplittable models before allocating anything
+    check_splittable(config, group.size)
+    module = _empty_model(config, dtype, torch.device(device), group)
     if load_format == "dummy":
         _init_dummy(module)
     else:
-        load_weights(module, path)
+        load_weights(module, path, group)
     quantize_model(module, method, _gguf_file(model) if method == "gguf" else None, cache_dir())
     tokenizer = _tokenizer_of(path, source, required=load_format != "dummy")
     return LoadedModel(
@@ -125,6 +131,12 @@ def load_model(model: str | None = None, *, dtype: torch.dtype, device: torch.de
         max_model_len=_max_model_len(config, max_model_len),
         eos_token_ids=eos_token_ids(config, path, tokenizer),
         sampling_defaults=sampling_defaults(model, path), quantization=method)
+
+
+def model_config(model: str | None, source: ModelSource = ModelSource()) -> tuple[Path, PretrainedConfig]:
+    """The checkpoint folder of ``model`` (see resolve_checkpoint) and its config."""
+    path = resolve_checkpoint(model, source.hub)
+    return path, AutoConfig.from_pretrained(path, trust_remote_code=source.trust_remote_code)
 
 
 def _tokenizer_of(path: Path | None, source: ModelSource, required: bool):
@@ -269,10 +281,11 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 
 
-def _empty_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def _empty_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                 group: TensorParallelGroup) -> LlamaForCausalLM:
     """The model with uninitialized parameters on ``device`` in ``dtype`` (no init cost)."""
     with torch.device("meta"):
-        module = LlamaForCausalLM(config)
+        module = LlamaForCausalLM(config, group)
     module = module.to(dtype=dtype).to_empty(device=device)
     module.model.rotary.reset_frequencies()
     return module.eval().requires_grad_(False)
@@ -291,8 +304,9 @@ def _init_dummy(module: LlamaForCausalLM, seed: int = 0) -> None:
                     sub.bias.zero_()
 
 
-def load_weights(module: LlamaForCausalLM, folder: Path) -> None:
-    """Copy every tensor of the checkpoint in ``folder`` into ``module``.
+def load_weights(module: LlamaForCausalLM, folder: Path, group: TensorParallelGroup = SINGLE) -> None:
+    """Copy every tensor of the checkpoint in ``folder`` into ``module`` (this rank's part of
+    each split one).
 
     Raises ValueError on a weight the model has no place for, a shape mismatch,
     or a parameter left (partly) unwritten.
@@ -305,11 +319,9 @@ def load_weights(module: LlamaForCausalLM, folder: Path) -> None:
             if target is None:
                 continue
             param_name, view = target
-            if tensor.shape != view.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                                 f"model expects {tuple(view.shape)}")
-            view.copy_(tensor)
-            written[param_name] += tensor.numel()
+            owner, _, leaf = param_name.rpartition(".")
+            load_weight(module.get_submodule(owner), leaf, view, tensor, group, name)
+            written[param_name] += view.numel()
     missing = [name for name, p in params.items() if written[name] != p.numel()]
     if missing:
         raise ValueError(f"checkpoint {folder} does not provide {', '.join(missing[:5])}"

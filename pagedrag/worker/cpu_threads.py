@@ -33,9 +33,10 @@ def _siblings(cpu: int) -> str:
         return str(cpu)
 
 
-def configure_cpu_threads(requested: int | None) -> int:
-    """Set torch's intra-op threads to ``requested`` or the physical cores; returns it."""
-    threads = requested if requested is not None else physical_cores_available()
+def configure_cpu_threads(requested: int | None, processes: int = 1) -> int:
+    """Set torch's intra-op threads to ``requested`` or, by default, this process's share of
+    the physical cores (``processes`` tensor-parallel ranks share them); returns it."""
+    threads = requested if requested is not None else max(physical_cores_available() // processes, 1)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     logger.info("CPU compute threads: %d%s", threads, "" if requested else " (physical cores; cpu_threads to change)")

@@ -7,6 +7,10 @@ after run, each token's cache slot (slot_mapping), the block tables, the context
 after the run, and the packed offsets (query_start_loc). Logits are computed only at the last token of
 requests whose every token has KV after the step (``step.completing``: those sample).
 
+The step's device work is a ``DevicePlan`` of host data (block moves, the packed token
+layout, chunk exports): under tensor parallelism rank 0 broadcasts it and every rank runs
+it on its shard (pagedrag.distributed); only rank 0 samples.
+
 The engine calls ``execute`` (launch the forward pass), reads the previous step's
 tokens, then ``sample`` with its plan: a sequence's sampling parameters depend on
 the tokens read in between (penalties, min_tokens, a stop that ended it).
@@ -25,11 +29,13 @@ import torch
 
 from pagedrag import kernels
 from pagedrag.core.block_pool import blocks_for
+from pagedrag.core.chunk_cache import KVMove, merge_runs
+from pagedrag.core.kv_cache_manager import SwapPlan
+from pagedrag.distributed.group import SINGLE, TensorParallelFailure, TensorParallelGroup
 from pagedrag.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedrag.models.attention import AttentionMetadata
 from pagedrag.core.request import Request
 from pagedrag.structured.masks import fill_masks
-from pagedrag.core.chunk_cache import merge_runs
 from pagedrag.worker.chunk_moves import apply_kv_moves
 from pagedrag.worker.recompute_selection import candidate_positions, first_tokens, most_deviating, probe_deviation
 from pagedrag.worker.cuda_graphs import StepGraphs
@@ -40,12 +46,49 @@ from pagedrag.worker.transfer import device_to_host, host_to_device
 
 
 @dataclass(slots=True)
+class StepLayout:
+    """One step's tokens as host lists, packed run after run over each request's blocks: what
+    every tensor-parallel rank turns into the same device inputs."""
+
+    input_ids: list[int]  # 0 where the token is still in flight (filled in on the device)
+    positions: list[int]
+    slots: list[int]
+    context_lens: list[int]  # one per run
+    starts: list[int]  # query_start_loc: run i owns rows starts[i]:starts[i + 1]
+    tables: list[list[int]]  # one block table per run
+    logits_rows: list[int]  # rows whose logits sample
+    inflight_rows: list[int]  # rows whose input id is a token still on the device ...
+    inflight_sources: list[int]  # ... row inflight_sources[i] of the previous step's samples
+    prompt_rows: list[int]  # rows whose logits give prompt logprobs
+
+
+@dataclass(slots=True)
+class BlockMoves:
+    """A step's cache moves before its forward pass: swaps, copy-on-write copies, chunk imports."""
+
+    copies: list[tuple[int, int]]
+    swaps: SwapPlan
+    imports: list[KVMove]
+
+
+@dataclass(slots=True)
+class DevicePlan:
+    """Everything the device does in one step, as host data (rank 0 broadcasts it to the
+    tensor-parallel workers): moves in, the forward pass over ``layout`` (None: no tokens this
+    step), then the chunk exports."""
+
+    moves: BlockMoves
+    layout: StepLayout | None
+    exports: list[KVMove]
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states whose logits are needed
-    prompt_rows: list[PromptRows]  # rows whose logits give prompt logprobs (prompt_logprobs)
+    prompt_rows: torch.Tensor  # rows whose logits give prompt logprobs (prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -141,16 +184,23 @@ def _store_weights_column_major(model: torch.nn.Module) -> None:
 
 
 class ModelRunner:
-    """The device side of a step: model, KV cache tensors, CUDA graphs and the sampler."""
+    """The device side of a step: model, KV cache tensors, CUDA graphs and the sampler.
+
+    Under tensor parallelism every rank has one, over its share of the model and of the KV
+    heads. Rank 0's ``execute`` plans the step (a DevicePlan), broadcasts the plan and runs
+    it; the other ranks run each plan they receive (``follow``) and discard its logits.
+    """
 
     def __init__(self, model: torch.nn.Module, cache: KVCacheTensors, block_size: int,
-                 device: torch.device, eos_token_id: int | None = None, recompute_strategy: str = "first"):
+                 device: torch.device, eos_token_id: int | None = None, recompute_strategy: str = "first",
+                 group: TensorParallelGroup = SINGLE):
         self.model = model
         self.recompute_strategy = recompute_strategy  # chunk reuse: worker.recompute_selection
         self.cache = cache
         self.block_size = block_size
         self.device = device
         self.eos_token_id = eos_token_id  # the tokenizer's; min_tokens keeps it from being sampled
+        self.group = group
         self.ops = kernels.ops_for(device)
         self.sampler = Sampler()
         self.graphs: StepGraphs | None = None
@@ -165,38 +215,53 @@ class ModelRunner:
                                  max_blocks, self.device)
         self.graphs.capture()
 
-    def prepare(self, step: SchedulerOutput, inflight: InflightTokens | None = None) -> StepInputs:
-        """Pack the step's tokens over each request's ``block_ids``.
+    def layout(self, step: SchedulerOutput, inflight: InflightTokens | None = None
+               ) -> tuple[StepLayout, list[PromptRows]]:
+        """Pack the step's tokens over each request's ``block_ids``, and the requests whose
+        rows give prompt logprobs.
 
         A request whose last token is still on the device (asynchronous scheduling)
-        decodes it: its input id is copied on the device from ``inflight``.
+        decodes it: its row is listed with the row of ``inflight`` that holds the token.
         """
-        input_ids, positions, slots, context_lens, starts, logits_rows = [], [], [], [], [0], []
-        inflight_rows, inflight_sources, wanted_prompt_rows, tables = [], [], [], []
+        out = StepLayout([], [], [], [], [0], [], [], [], [], [])
+        wanted_prompt_rows = []
         for item in step.scheduled:
             for begin, end in item.runs:  # each run attends as a sequence of its own
                 known = item.request.token_ids[begin:end]
                 if len(known) < end - begin:  # its in-flight token: filled in on the device
-                    inflight_rows.append(len(input_ids))
-                    inflight_sources.append(_inflight_row(inflight, item))
-                input_ids.extend(known + [0] * (end - begin - len(known)))
-                positions.extend(range(begin, end))
-                slots.extend(_slots(item.block_ids, begin, end, self.block_size))
-                context_lens.append(end)
-                tables.append(item.block_ids)
-                wanted = prompt_rows(item.request, begin, end, starts[-1])
+                    out.inflight_rows.append(len(out.input_ids))
+                    out.inflight_sources.append(_inflight_row(inflight, item))
+                out.input_ids.extend(known + [0] * (end - begin - len(known)))
+                out.positions.extend(range(begin, end))
+                out.slots.extend(_slots(item.block_ids, begin, end, self.block_size))
+                out.context_lens.append(end)
+                out.tables.append(item.block_ids)
+                wanted = prompt_rows(item.request, begin, end, out.starts[-1])
                 if wanted is not None:
                     wanted_prompt_rows.append(wanted)
-                starts.append(starts[-1] + end - begin)
+                    out.prompt_rows.extend(wanted.rows)
+                out.starts.append(out.starts[-1] + end - begin)
             if item.completes_sequence:
-                logits_rows.append(starts[-1] - 1)
-        longs = _split_on_device([input_ids, positions, slots, logits_rows, inflight_rows, inflight_sources],
+                out.logits_rows.append(out.starts[-1] - 1)
+        return out, wanted_prompt_rows
+
+    def to_device(self, layout: StepLayout, inflight: InflightTokens | None = None) -> StepInputs:
+        """The layout's tensors on the device (its integer lists in two copies). In-flight
+        tokens are copied from ``inflight`` on rank 0, then broadcast to the other ranks."""
+        longs = _split_on_device([layout.input_ids, layout.positions, layout.slots, layout.logits_rows,
+                                  layout.inflight_rows, layout.inflight_sources, layout.prompt_rows],
                                  torch.int64, self.device)
-        input_ids_t, positions_t, slots_t, logits_rows_t, inflight_rows_t, inflight_sources_t = longs
-        meta = self._attention_metadata(tables, slots_t, context_lens, starts)
-        if inflight_rows:
-            input_ids_t.index_copy_(0, inflight_rows_t, inflight.token_ids.index_select(0, inflight_sources_t))
-        return StepInputs(input_ids_t, positions_t, meta, logits_rows_t, wanted_prompt_rows)
+        input_ids, positions, slots, logits_rows, inflight_rows, inflight_sources, prompt_rows_t = longs
+        meta = self._attention_metadata(layout.tables, slots, layout.context_lens, layout.starts)
+        if layout.inflight_rows:
+            if self.group.is_driver:
+                input_ids.index_copy_(0, inflight_rows, inflight.token_ids.index_select(0, inflight_sources))
+            self.group.broadcast_tensor(input_ids)
+        return StepInputs(input_ids, positions, meta, logits_rows, prompt_rows_t)
+
+    def prepare(self, step: SchedulerOutput, inflight: InflightTokens | None = None) -> StepInputs:
+        """The step's device inputs (``layout`` then ``to_device``)."""
+        return self.to_device(self.layout(step, inflight)[0], inflight)
 
     def _attention_metadata(self, tables: list[list[int]], slot_mapping: torch.Tensor,
                             context_lens: list[int], starts: list[int]) -> AttentionMetadata:
@@ -214,24 +279,61 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, inflight: InflightTokens | None = None) -> StepLogits:
-        """Apply the step's block moves and launch the model; returns the step's logits (see
-        StepLogits). ``inflight``: the previous step's tokens, still on the device
+        """Plan the step, hand the plan to the other ranks and run it; returns the step's
+        logits (see StepLogits). ``inflight``: the previous step's tokens, still on the device
         (asynchronous scheduling)."""
-        self.cache.apply(step.block_copies, step.swaps)
-        if not step.scheduled:
-            return StepLogits(torch.empty(0, device=self.device), [])
-        self._move_kv([move for item in step.scheduled for move in item.imports])
-        self._pick_recomputed(step)
-        inputs = self.prepare(step, inflight)
+        moves = BlockMoves(step.block_copies, step.swaps, [m for item in step.scheduled for m in item.imports])
+        self.move_in(moves)
+        layout, wanted = None, []
+        if step.scheduled:
+            self._pick_recomputed(step)  # after the imports: the deviation probe reads them
+            layout, wanted = self.layout(step, inflight)
+        plan = DevicePlan(moves, layout, [m for item in step.scheduled for m in item.exports])
+        if self.group.size == 1:
+            sampling, prompt_logits = self.run(plan, inflight)
+        else:
+            self.group.broadcast_object(plan)
+            sampling, prompt_logits = self._run_in_step(plan, inflight)
+        prompt = [] if not wanted else prompt_samples(prompt_logits, wanted)
+        return StepLogits(sampling, [(e.request, e.first_token, s) for e, s in zip(wanted, prompt)])
+
+    def _run_in_step(self, plan: DevicePlan, inflight: InflightTokens | None):
+        """``run`` once the other ranks have the plan: any error leaves them mid-step."""
+        try:
+            return self.run(plan, inflight)
+        except Exception as error:
+            raise TensorParallelFailure(f"a step failed on rank 0 after its plan reached the other "
+                                        f"ranks, which can no longer follow: {error!r}") from error
+
+    @torch.inference_mode()
+    def follow(self, plan: DevicePlan) -> None:
+        """A tensor-parallel worker's step: rank 0's plan on this rank's shard."""
+        self.move_in(plan.moves)
+        self.run(plan)
+
+    def move_in(self, moves: BlockMoves) -> None:
+        """Swaps, copy-on-write copies and chunk imports, before the forward pass."""
+        self.cache.apply(moves.copies, moves.swaps)
+        self._move_kv(moves.imports)
+
+    def run(self, plan: DevicePlan, inflight: InflightTokens | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward pass over ``plan.layout`` (a captured graph when one fits), then the
+        exports: (logits of the sampling rows, logits of the prompt-logprob rows or None)."""
+        if plan.layout is None:
+            return torch.empty(0, device=self.device), None
+        inputs = self.to_device(plan.layout, inflight)
         shape = None if self.graphs is None else self.graphs.shape_for(
-            inputs.meta.context_lens.shape[0], step.num_tokens, inputs.meta.decode_only)
+            inputs.meta.context_lens.shape[0], inputs.input_ids.shape[0], inputs.meta.decode_only)
         if shape is not None:
             hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache.device_layers, inputs.meta)
-        self._move_kv([move for item in step.scheduled for move in item.exports])
-        return StepLogits(self.model.compute_logits(hidden[inputs.logits_indices], self.ops),
-                          self._prompt_logprobs(hidden, inputs.prompt_rows))
+        self._move_kv(plan.exports)
+        sampling = self.model.compute_logits(hidden[inputs.logits_indices], self.ops)
+        prompt = self.model.compute_logits(hidden[inputs.prompt_rows], self.ops) if plan.layout.prompt_rows \
+            else None
+        return sampling, prompt
 
     def _pick_recomputed(self, step: SchedulerOutput) -> None:
         """Add to each run list the tokens of imported chunks to compute again."""
@@ -266,13 +368,6 @@ class ModelRunner:
         """Chunk reuse's copies (worker.chunk_moves), on the model's rotary frequencies."""
         if moves:
             apply_kv_moves(self.cache.device_pool, self.model.model.rotary.inv_freq, moves)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, wanted: list[PromptRows]) -> list:
-        if not wanted:
-            return []
-        rows = torch.tensor([r for entry in wanted for r in entry.rows], device=hidden.device)
-        samples = prompt_samples(self.model.compute_logits(hidden[rows], self.ops), wanted)
-        return [(entry.request, entry.first_token, s) for entry, s in zip(wanted, samples)]
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, plan: list[SamplingRow]) -> InflightTokens | None:

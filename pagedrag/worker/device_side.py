@@ -1,0 +1,86 @@
+"""What every rank builds at start-up: its device, its share of the model, a KV pool of the
+same number of blocks on every rank, and a model runner over them (with CUDA graphs).
+
+Rank 0 (the engine) and each tensor-parallel worker call ``build_device_side`` in the same
+order, so their collectives (loading agrees on the pool size; graph capture records the
+same all-reduces) line up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedrag import kernels
+from pagedrag.config import DEFAULT_CPU_KV_FRACTION, GIB_BYTES, EngineArgs
+from pagedrag.core.block_pool import blocks_for
+from pagedrag.distributed.group import SINGLE, TensorParallelGroup
+from pagedrag.models.loader import LoadedModel, load_model
+from pagedrag.worker.cpu_threads import configure_cpu_threads
+from pagedrag.worker.kv_cache import CacheShape, KVCacheTensors, available_cpu_memory
+from pagedrag.worker.model_runner import ModelRunner
+
+
+@dataclass
+class DeviceSide:
+    loaded: LoadedModel
+    shape: CacheShape  # this rank's: its share of the KV heads
+    num_blocks: int
+    num_cpu_blocks: int
+    runner: ModelRunner
+
+
+def rank_device(args: EngineArgs, group: TensorParallelGroup) -> torch.device:
+    """The device of this rank: cuda:(index + rank) under tensor parallelism on CUDA."""
+    device = args.resolved_device()
+    if device.type == "cuda" and group.size > 1:
+        return torch.device("cuda", (device.index or 0) + group.rank)
+    return device
+
+
+def build_device_side(args: EngineArgs, group: TensorParallelGroup = SINGLE) -> DeviceSide:
+    device = rank_device(args, group)
+    dtype = args.resolved_dtype(device)
+    torch.manual_seed(args.seed)
+    if device.type == "cpu":
+        configure_cpu_threads(args.cpu_threads, processes=group.size)
+    loaded = load_model(args.model, dtype=dtype, device=device, load_format=args.load_format,
+                        max_model_len=args.max_model_len, source=args.model_source(),
+                        quantization=args.quantization, group=group)
+    module = loaded.module
+    shape = CacheShape(module.num_layers, args.block_size, module.num_kv_heads, module.head_dim, dtype)
+    num_blocks = group.agree_min(_pool_blocks(args, shape, device, group.size))
+    _check_fits(args, num_blocks, loaded.max_model_len)
+    num_cpu_blocks = shape.blocks_in(args.swap_space * GIB_BYTES) if args.preemption_mode == "swap" else 0
+    cache = KVCacheTensors(shape, num_blocks, num_cpu_blocks, device, kernels.ops_for(device))
+    eos_token_id = loaded.tokenizer.eos_token_id if loaded.tokenizer is not None else None
+    runner = ModelRunner(module, cache, args.block_size, device, eos_token_id, args.chunk_recompute_strategy,
+                         group)
+    if device.type == "cuda" and not args.enforce_eager:
+        runner.capture_graphs(args.max_num_seqs, loaded.max_model_len)
+    return DeviceSide(loaded, shape, num_blocks, num_cpu_blocks, runner)
+
+
+def _pool_blocks(args: EngineArgs, shape: CacheShape, device: torch.device, num_ranks: int) -> int:
+    """The KV blocks this rank's memory budget holds (each rank holds 1/num_ranks of a block:
+    its KV heads). On CPU the ranks share one memory, so each takes its share of the budget."""
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override
+    if args.kv_cache_memory_bytes is not None:
+        return shape.blocks_in(args.kv_cache_memory_bytes / num_ranks)
+    if device.type == "cuda":
+        free_after_weights, _ = torch.cuda.mem_get_info(device)
+        return shape.blocks_in(free_after_weights * args.gpu_memory_utilization)
+    return shape.blocks_in(available_cpu_memory() * DEFAULT_CPU_KV_FRACTION / num_ranks)
+
+
+def _check_fits(args: EngineArgs, num_blocks: int, max_model_len: int) -> None:
+    needed = blocks_for(max_model_len, args.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV pool holds {num_blocks} blocks of {args.block_size} tokens "
+            f"({num_blocks * args.block_size} tokens), fewer than one sequence of "
+            f"max_model_len={max_model_len} needs ({needed} blocks): give the pool more "
+            "memory (gpu_memory_utilization / kv_cache_memory_bytes / num_gpu_blocks_override) "
+            "or lower max_model_len")

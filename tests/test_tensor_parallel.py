@@ -1,0 +1,137 @@
+"""Tensor parallelism on CPU: two processes over gloo run the same code as two GPUs over NCCL.
+
+Greedy outputs at tensor_parallel_size=2 equal HF transformers' generate (and so the
+one-rank engine's, which test_engine_equivalence holds to the same reference), with
+prefix caching, chunked prefill, both preemption modes, copy-on-write forks, prompt
+logprobs and asynchronous scheduling; sizes that cannot be split are refused before any
+worker starts; a worker that dies stops the engine with an error naming it; torchrun
+can start the ranks.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_fixtures import make_tiny_model
+from test_engine_equivalence import hf_greedy, prompts_of
+from pagedrag import LLM, SamplingParams
+from pagedrag.distributed.launch import free_port
+from pagedrag.engine.recovery import EngineDeadError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+CPU = {"device": "cpu", "dtype": "float32"}  # gloo between processes, also where a GPU is present
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """An untied-head Llama with llama3 rope; its vocabulary (259) is odd, so the vocab split pads."""
+    path = make_tiny_model(tmp_path_factory.mktemp("tp-llama"), "llama")
+    prompts = prompts_of(259)
+    return path, prompts, hf_greedy(path, prompts)
+
+
+def generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_two_ranks_match_hf_through_caching_preemption_by_swap_forks_and_async_steps(llama):
+    path, prompts, expected = llama
+    # 16 blocks of 8 tokens: the batch does not fit, so sequences are swapped out and back.
+    llm = LLM(path, tensor_parallel_size=2, max_model_len=128, block_size=8, num_gpu_blocks_override=16,
+              preemption_mode="swap", swap_space=0.01, async_scheduling=True, max_num_batched_tokens=32, **CPU)
+    try:
+        assert generate(llm, prompts) == expected
+        assert llm.stats()["num_preemptions"] > 0
+        for _ in range(2):  # the second pass reads the first one's blocks
+            assert generate(llm, prompts[3:4]) == expected[3:4]
+        assert llm.stats()["prefix_cache_hits"] >= 40
+        forks = llm.generate({"prompt_token_ids": prompts[2]}, SamplingParams(temperature=0, max_tokens=12, n=3),
+                             use_tqdm=False)[0]
+        assert [c.token_ids for c in forks.outputs] == [expected[2]] * 3
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_two_ranks_prompt_logprobs_and_recompute_preemption_match_one_rank(tmp_path):
+    path = make_tiny_model(tmp_path, "qwen2")  # q/k/v biases, tied embeddings
+    prompts = prompts_of(259)
+    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, logprobs=2)
+    engines = {size: LLM(path, tensor_parallel_size=size, max_model_len=128, block_size=8,
+                         num_gpu_blocks_override=16, **CPU) for size in (1, 2)}
+    try:
+        outs = {size: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                for size, llm in engines.items()}
+        assert engines[2].stats()["num_preemptions"] > 0
+    finally:
+        engines[2].llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs[2]] == hf_greedy(path, prompts, max_new=8)
+    for one, two in zip(outs[1], outs[2]):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-4)
+
+
+def test_sizes_that_do_not_divide_the_heads_are_refused_before_workers_start(llama):
+    path = llama[0]
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the model's 4 attention "
+                                         r"heads, 2 KV heads"):
+        LLM(path, tensor_parallel_size=3, **CPU)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(path, tensor_parallel_size=0, **CPU)
+    with pytest.raises(ValueError, match="quantization='int8' .* tensor_parallel_size=2"):
+        LLM(path, tensor_parallel_size=2, quantization="int8", **CPU)
+
+
+def test_a_worker_that_dies_stops_the_engine_with_an_error_naming_it(llama):
+    path, prompts, _ = llama
+    llm = LLM(path, tensor_parallel_size=2, max_model_len=128, num_gpu_blocks_override=32, **CPU)
+    worker = llm.llm_engine.ranks.workers[0]
+    worker.kill()
+    worker.wait()
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker rank 1 .* exited with code -9"):
+        generate(llm, prompts[:1])
+    assert time.monotonic() - started < 30
+    llm.llm_engine.shutdown()  # returns although its worker is gone
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from pagedrag import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=128, num_gpu_blocks_override=32, device="cpu")
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                    SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+llm.llm_engine.shutdown()
+"""
+
+
+def test_torchrun_starts_the_ranks_and_only_rank_0_goes_past_the_engine(llama, tmp_path):
+    import json
+
+    path, prompts, expected = llama
+    script = tmp_path / "serve_tp.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(script), str(path), json.dumps(prompts[:3])],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(printed) == 1  # rank 1 left inside LLM(...)
+    assert json.loads(printed[0][len("TOKENS "):]) == expected[:3]
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_more_ranks_than_gpus_is_refused_before_workers_start(llama):
+    too_many = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={too_many} needs {too_many} GPUs"):
+        LLM(llama[0], tensor_parallel_size=too_many, device="cuda")

@@ -85,9 +85,10 @@ def start_ranks(args) -> TensorParallelRanks:
     if size == 1:
         return TensorParallelRanks(SINGLE, [])
     _check_model_splits(args, size)
-    device_type = args.resolved_device().type
-    if device_type == "cuda" and torch.cuda.device_count() < size:
-        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, "
+    device = args.resolved_device()
+    device_type = device.type
+    if device_type == "cuda" and torch.cuda.device_count() < (device.index or 0) + size:
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs from cuda:{device.index or 0} on, "
                          f"{torch.cuda.device_count()} are visible")
     if _under_torchrun():
         return _join_torchrun(args, size, device_type)
@@ -116,8 +117,6 @@ def _check_model_splits(args, size: int) -> None:
 def join_group(rank: int, size: int, device_type: str, store: dist.Store | None) -> TensorParallelGroup:
     """Form the process groups (store None: torchrun's environment) and return this rank's view."""
     backend = "nccl" if device_type == "cuda" else "gloo"
-    if device_type == "cuda":
-        torch.cuda.set_device(rank)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=IDLE_TIMEOUT,
                             init_method=None if store is not None else "env://")
     world = dist.group.WORLD

@@ -41,6 +41,8 @@ def rank_device(args: EngineArgs, group: TensorParallelGroup) -> torch.device:
 
 def build_device_side(args: EngineArgs, group: TensorParallelGroup = SINGLE) -> DeviceSide:
     device = rank_device(args, group)
+    if device.type == "cuda" and group.size > 1:
+        torch.cuda.set_device(device)  # NCCL's communicator and the graphs' stream live there
     dtype = args.resolved_dtype(device)
     torch.manual_seed(args.seed)
     if device.type == "cpu":

@@ -8,7 +8,9 @@ worker starts; a worker that dies stops the engine with an error naming it; torc
 can start the ranks.
 """
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -120,9 +122,16 @@ def test_torchrun_starts_the_ranks_and_only_rank_0_goes_past_the_engine(llama, t
     script = tmp_path / "serve_tp.py"
     script.write_text(TORCHRUN_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(script), str(path), json.dumps(prompts[:3])],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=Path(__file__).parent)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), str(script), str(path), json.dumps(prompts[:3])]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                cwd=Path(__file__).parent, start_new_session=True)
+    try:
+        stdout, stderr = launcher.communicate(timeout=300)
+    finally:  # torchrun's ranks too, should it hang
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+    done = subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     printed = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
     assert len(printed) == 1  # rank 1 left inside LLM(...)

@@ -30,6 +30,7 @@ from pagedrag import LLM, SamplingParams
 from pagedrag.entrypoints.bench import rag_requests
 from pagedrag.models.embedded import embedded_gguf
 from pagedrag.models.loader import cache_dir, resolve_checkpoint
+from pagedrag.models.lowbit.linear import LowBitLinear
 
 MAX_MODEL_LEN = 2048
 
@@ -189,6 +190,22 @@ def one_core_busy(enabled: bool):
             burner.join()
 
 
+def kernel_floor_rate(llm: LLM, repeats: int = 50) -> float:
+    """Tokens a second that the low-bit products of one batch-1 decode step allow on their own:
+    every LowBitLinear's low-bit layout (decoder projections and LM head) run back to back on
+    one row, nothing else. No engine can decode faster on these kernels."""
+    layouts = [module.layout for module in llm.llm_engine.runner.model.modules() if isinstance(module, LowBitLinear)]
+    rows = {layout.in_features: torch.randn(1, layout.in_features) for layout in layouts}
+    with torch.inference_mode():
+        for layout in layouts:  # warm up
+            layout(rows[layout.in_features])
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for layout in layouts:
+                layout(rows[layout.in_features])
+    return repeats / (time.perf_counter() - start)
+
+
 def bench_lowbit(fp32: LLM, prompts, args) -> dict:
     """Low-bit vs float32 pagedrag (``fp32``) vs llama.cpp: each figure alternates the arms
     ``repeats`` times and keeps the median; the 8-request throughput is the low-bit engine's."""
@@ -197,6 +214,7 @@ def bench_lowbit(fp32: LLM, prompts, args) -> dict:
     arms = {"lowbit": lowbit, "fp32": fp32}
     figures = {name: {"decode": [], "prefill": []} for name in (*arms, "llama.cpp")}
     figures["lowbit"]["concurrent"] = []
+    figures["lowbit"]["kernel_floor"] = []
     for engine in arms.values():
         engine_ttft(engine, prompts[0])  # warm up
     with one_core_busy(args.busy):
@@ -207,6 +225,7 @@ def bench_lowbit(fp32: LLM, prompts, args) -> dict:
             if llama is not None:
                 figures["llama.cpp"]["decode"].append(llama.decode_rate(prompts[0], 128))
                 figures["llama.cpp"]["prefill"].append(len(prompts[1]) / llama.prefill_seconds(prompts[1]))
+            figures["lowbit"]["kernel_floor"].append(kernel_floor_rate(lowbit))
             figures["lowbit"]["concurrent"].append(engine_concurrent_rate(lowbit, prompts[16:24], prompts[:8],
                                                                           args.new_tokens))
     medians = {name: {k: statistics.median(v) for k, v in arm.items() if v} for name, arm in figures.items()}
@@ -220,6 +239,7 @@ def print_lowbit_table(m: dict, prompt_len: int, args) -> None:
     versus = lambda key: f"{m['lowbit'][key] / llama[key]:.2f}x" if key in llama else "n/a"
     shown = lambda arm, key: f"{m[arm][key]:.1f} tok/s" if key in m[arm] else "n/a"
     concurrency = m["lowbit"]["concurrent"] / m["lowbit"]["decode"]
+    versus_floor = f"{m['lowbit']['kernel_floor'] / llama['decode']:.2f}x" if "decode" in llama else "n/a"
     print(f"\nlow-bit (quantization='gguf') vs float32 vs llama.cpp, {args.threads} threads"
           f"{', one core busy' if args.busy else ''}\n")
     print("| figure | pagedrag low-bit | pagedrag fp32 | llama.cpp | low-bit vs llama.cpp | target |")
@@ -229,6 +249,8 @@ def print_lowbit_table(m: dict, prompt_len: int, args) -> None:
     print(f"| prefill, {prompt_len}-token prompt, cold cache | {shown('lowbit', 'prefill')} | "
           f"{shown('fp32', 'prefill')} | {shown('llama.cpp', 'prefill')} | {versus('prefill')} | "
           f">= fp32 ({m['lowbit']['prefill'] / m['fp32']['prefill']:.2f}x) |")
+    print(f"| batch-1 decode bound of the int4 kernel alone (every low-bit product of one token, nothing "
+          f"else) | {shown('lowbit', 'kernel_floor')} | | | {versus_floor} | |")
     print(f"| 8 concurrent x {args.new_tokens} tokens, warm prefix cache | {shown('lowbit', 'concurrent')} | | | | "
           f">= 2.5x batch-1 decode ({concurrency:.1f}x) |")
     print(f"| KV memory holding real tokens / reserved | {m['lowbit']['memory']:.1%} | {m['fp32']['memory']:.1%} "

@@ -2,7 +2,15 @@
 throughput against one engine, and a replica killed mid-run.
 
     python benchmarks/bench_router.py [--questions 96] [--concurrency 8] [--max-tokens 8] [--simulate-only]
-                                      [--ray] [--arms 0 4]
+                                      [--ray] [--arms 0 4] [--threads-per-replica N] [--device cpu]
+                                      [--stream FILE] [--model FOLDER --load-format dummy]
+    python benchmarks/bench_router.py --save-stream FILE [--save-model-folder FOLDER]
+
+For a machine without MiniLM, the embedded GGUF or a network (benchmarks/rag_stream_file.py):
+``--save-stream`` writes the whole stream's chat messages and ``--save-model-folder`` the
+embedded model's config and tokenizer (no weights), then exit; there, ``--stream FILE --model
+FOLDER --load-format dummy`` posts and simulates the same requests, tokenized alike (the same
+block hashes, so the same hit rates) by a SmolLM2-135M-shaped model on random weights.
 
 First a simulation over the whole stream (no model: the router's own ReplicaChooser over the
 requests' block hashes, each replica's cache the blocks sent to it, unbounded; ``--concurrency``
@@ -10,7 +18,7 @@ requests in flight, the oldest finishing as a new one arrives): the block hit ra
 cache, round-robin and prefix affinity at several cache thresholds, and how evenly affinity
 spreads the requests. Then the live run:
 
-The embedded SmolLM2-135M-Instruct; the pydoc-topics RAG stream (benchmarks/rag_stream.py:
+The embedded SmolLM2-135M-Instruct (or ``--model``); the pydoc-topics RAG stream (benchmarks/rag_stream.py:
 MiniLM top-5 chunks per question, through the canonicalizer, as chat messages). Servers run
 one after another, each a `pagedrag serve` subprocess (the router and its replicas for
 --data-parallel-size 2); each takes the whole stream from ``--concurrency`` concurrent
@@ -23,8 +31,12 @@ clients (saturating: more than the replicas run at once). Arms:
 - with ``--ray``: 2 replicas on Ray Serve (pagedrag.router.ray_app, a local Ray instance).
 
 Per arm: prefix-cache hit rate (prefix_cache_hits / prompt tokens, the replicas' sums from
-/metrics), requests failed, generated tokens per second. Prints a markdown table. Every replica
-(the lone one too) gets ``cores / 2`` torch threads: 2 replicas need the cores of 2.
+/metrics), requests failed, tokens generated (every reply ``--max-tokens`` long: ignore_eos,
+as random weights end early), generated tokens per second. Prints a markdown table. Every
+replica (the lone one too) gets ``--threads-per-replica`` CPU threads (default ``cores / 2``)
+through `pagedrag serve --cpu-threads`: the comparison is per replica, and 2 replicas need the
+cores of 2; leave cores over for the router and the clients (16 cores: 4 threads). Replicas
+are not pinned: the OS spreads their threads over the cores.
 """
 
 from __future__ import annotations
@@ -46,10 +58,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
-from rag_stream import SYSTEM_PROMPT, rag_stream  # noqa: E402
+from rag_stream_file import load_stream, save_model_folder, save_stream, stream_messages  # noqa: E402
 
-from pagedrag.models.loader import load_tokenizer  # noqa: E402
-from pagedrag.rag.canonical import PromptCanonicalizer  # noqa: E402
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser  # noqa: E402
 from pagedrag.router.prompt_blocks import PromptBlocks  # noqa: E402
 from pagedrag.server.background import free_port  # noqa: E402
@@ -88,7 +98,7 @@ class Server:
     @classmethod
     def serve(cls, flags: list[str], threads: int, log: Path) -> "Server":
         port = free_port()
-        command = [sys.executable, "-m", "pagedrag", "serve", "--port", str(port), *ENGINE_FLAGS, *flags]
+        command = [sys.executable, "-m", "pagedrag", "serve", "--port", str(port), *flags]
         return cls(command, port, threads, log, replicas=2 if "--data-parallel-size" in flags else 1)
 
     @classmethod
@@ -131,14 +141,21 @@ class Server:
             self.process.kill()
 
 
-def chat_bodies(questions: int, max_tokens: int) -> list[dict]:
-    canonicalizer = PromptCanonicalizer(SYSTEM_PROMPT, tokenizer=load_tokenizer(None))
-    bodies = []
-    for question, chunks in rag_stream()[:questions]:
-        prompt = canonicalizer.build(question, [(c.source_id, c.text) for c in chunks])
-        bodies.append({"model": MODEL, "messages": prompt.messages, "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True})
-    return bodies
+def chat_bodies(messages: list[list[dict]], max_tokens: int) -> list[dict]:
+    """The request bodies: greedy, and exactly ``max_tokens`` long (ignore_eos) whatever the weights."""
+    return [{"model": MODEL, "messages": m, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            for m in messages]
+
+
+def serve_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of every `pagedrag serve` the run starts (replicas and the lone server): the
+    model and its weights, the device, each replica's threads. A ``--model`` is served under
+    MODEL's name, which the bodies ask for."""
+    flags = [*ENGINE_FLAGS, "--device", args.device, "--cpu-threads", str(args.threads_per_replica),
+             "--load-format", args.load_format]
+    if args.model is not None:
+        flags = [args.model, "--served-model-name", MODEL, *flags]
+    return flags
 
 
 def run_stream(server: Server, bodies: list[dict], concurrency: int, kill_halfway: bool) -> dict:
@@ -165,14 +182,16 @@ def run_stream(server: Server, bodies: list[dict], concurrency: int, kill_halfwa
     seconds = time.perf_counter() - start
     after = server.counters()
     delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    generated = sum(t for t in tokens if t > 0)
     return {"hit": delta["pagedrag:prefix_cache_hits_total"] / delta["pagedrag:prompt_tokens_total"],
-            "failed": sum(t < 0 for t in tokens), "tok_s": sum(t for t in tokens if t > 0) / seconds,
+            "failed": sum(t < 0 for t in tokens), "tokens": generated, "tok_s": generated / seconds,
             "seconds": seconds}
 
 
-def simulate(bodies: list[dict], concurrency: int) -> None:
-    """Print the simulation table (see the module docstring)."""
-    blocks = PromptBlocks(None, 16)
+def simulate(bodies: list[dict], concurrency: int, model: str | None) -> None:
+    """Print the simulation table (see the module docstring); ``model``'s tokenizer gives the
+    block hashes, as it does in the router."""
+    blocks = PromptBlocks(model, 16)
     requests = [blocks.of("/v1/chat/completions", body) for body in bodies]
     arms = [("one engine", None, 1), ("2 replicas, round-robin", ReplicaChooser("round_robin"), 2)]
     arms += [(f"2 replicas, prefix affinity, cache_threshold {t}",
@@ -213,19 +232,39 @@ def main() -> None:
     parser.add_argument("--simulate-only", action="store_true")
     parser.add_argument("--ray", action="store_true", help="add 2 replicas on Ray Serve (pip install 'ray[serve]')")
     parser.add_argument("--arms", type=int, nargs="+", default=None, help="run only these arms (0-based)")
+    cores = os.cpu_count() or 1
+    parser.add_argument("--threads-per-replica", type=int, default=max(cores // 2, 1),
+                        help="CPU threads of each replica, the lone one too (default: cores / 2)")
+    parser.add_argument("--device", default="cpu", help="every server's --device (default: cpu)")
+    parser.add_argument("--model", default=None, help="a model folder for every server (default: the embedded "
+                                                      "model); not the Ray arm's")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights (a folder from --save-model-folder has none)")
+    parser.add_argument("--stream", type=Path, default=None, help="read the requests from this --save-stream file")
+    parser.add_argument("--save-stream", type=Path, default=None, metavar="FILE",
+                        help="write the whole stream's requests to FILE and exit")
+    parser.add_argument("--save-model-folder", type=Path, default=None, metavar="FOLDER",
+                        help="write the embedded model's config and tokenizer (no weights) to FOLDER and exit")
     args = parser.parse_args()
-    simulate(chat_bodies(len(rag_stream()), args.max_tokens), args.concurrency)  # the whole stream
+    if args.save_stream or args.save_model_folder:
+        if args.save_stream:
+            save_stream(args.save_stream, stream_messages())
+        if args.save_model_folder:
+            save_model_folder(args.save_model_folder)
+        return
+    messages = load_stream(args.stream) if args.stream else stream_messages()
+    simulate(chat_bodies(messages, args.max_tokens), args.concurrency, args.model)  # the whole stream
     if args.simulate_only:
         return
-    bodies = chat_bodies(args.questions, args.max_tokens)
-    cores = os.cpu_count() or 1
-    threads = max(cores // 2, 1)  # per replica, the one-replica arm included: the comparison is per replica
-    arms = [("one replica", partial(Server.serve, []), False),
-            ("2 replicas, round-robin", partial(Server.serve, ["--data-parallel-size", "2", "--router-policy",
-                                                               "round_robin"]), False),
-            ("2 replicas, prefix affinity", partial(Server.serve, ["--data-parallel-size", "2"]), False),
-            ("2 replicas, prefix affinity, one killed halfway", partial(Server.serve, ["--data-parallel-size", "2"]),
-             True)]
+    bodies = chat_bodies(messages[:args.questions], args.max_tokens)
+    threads = args.threads_per_replica
+    flags = serve_flags(args)
+    arms = [("one replica", partial(Server.serve, flags), False),
+            ("2 replicas, round-robin", partial(Server.serve, [*flags, "--data-parallel-size", "2",
+                                                               "--router-policy", "round_robin"]), False),
+            ("2 replicas, prefix affinity", partial(Server.serve, [*flags, "--data-parallel-size", "2"]), False),
+            ("2 replicas, prefix affinity, one killed halfway",
+             partial(Server.serve, [*flags, "--data-parallel-size", "2"]), True)]
     if args.ray:
         arms.append(("2 replicas on Ray Serve, prefix affinity", Server.ray, False))
     arms = [arm for number, arm in enumerate(arms) if args.arms is None or number in args.arms]
@@ -239,11 +278,12 @@ def main() -> None:
                 server.close()
     single = rows[0][1]["tok_s"]
     print(f"\n{len(bodies)} questions, {args.concurrency} concurrent clients, {args.max_tokens} tokens each, "
-          f"{cores} cores\n")
-    print("| arm | prefix-cache hit rate | failed requests | tokens/s | vs one replica |")
-    print("|---|---|---|---|---|")
+          f"{cores} cores, {threads} threads per replica, {args.model or MODEL} ({args.load_format} weights)\n")
+    print("| arm | prefix-cache hit rate | failed requests | tokens generated | tokens/s | vs one replica |")
+    print("|---|---|---|---|---|---|")
     for name, row in rows:
-        print(f"| {name} | {row['hit']:.1%} | {row['failed']} | {row['tok_s']:.1f} | {row['tok_s'] / single:.2f}x |")
+        ratio = f"{row['tok_s'] / single:.2f}x" if single else "-"  # the lone replica failed every request
+        print(f"| {name} | {row['hit']:.1%} | {row['failed']} | {row['tokens']} | {row['tok_s']:.1f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -274,6 +274,7 @@ def main() -> None:
             server = start(threads, Path(folder) / f"arm{number}.log")
             try:
                 rows.append((name, run_stream(server, bodies, args.concurrency, kill)))
+                print(f"arm done: {name}: {rows[-1][1]}", flush=True)  # a run cut short keeps its arms
             finally:
                 server.close()
     single = rows[0][1]["tok_s"]

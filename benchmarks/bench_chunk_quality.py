@@ -1,11 +1,12 @@
 """Chunk reuse's quality against full prefill, on real RAG prompts (the pydoc-topics stream).
 
     python benchmarks/bench_chunk_quality.py [--prompts 64] [--warmup 40] [--fractions 0.15 0.3]
-                                             [--strategies deviation first]
+                                             [--strategies deviation first] [--order stable]
 
 The embedded SmolLM2-135M-Instruct (float32, CPU). Each arm is a fresh engine that first
 runs ``--warmup`` stream prompts (so their chunks are cached), then the ``--prompts``
-measured ones, one at a time, chunks in the retriever's order (their positions vary):
+measured ones, one at a time, chunks in the retriever's order (their positions vary; with
+``--order stable``, the canonicalizer's stable order, as in bench_chunk_cpu's stream):
 
 - full prefill: exact prefix caching only (the reference);
 - chunk reuse without recompute (the cached KV kept as is), and at each recompute fraction
@@ -124,13 +125,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=40)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.15, 0.3])
     parser.add_argument("--strategies", nargs="+", default=["deviation", "first"])
+    parser.add_argument("--order", default="relevance", choices=["relevance", "stable"],
+                        help="the canonicalizer's chunk order (stable: as bench_chunk_cpu's stream)")
     parser.add_argument("--isolated", action="store_true",
                         help="warm up with every chunk of the measured prompts alone after the head")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     stream = rag_stream()
     probe = LLM(**ENGINE)
-    canonicalizer = PromptCanonicalizer(SYSTEM_PROMPT, order="relevance", tokenizer=probe.get_tokenizer(),
+    canonicalizer = PromptCanonicalizer(SYSTEM_PROMPT, order=args.order, tokenizer=probe.get_tokenizer(),
                                         chunk_template=REUSABLE_CHUNK_TEMPLATE)
     del probe
     built = [canonicalizer.build(question, [(c.source_id, c.text) for c in chunks]).segments
@@ -150,7 +153,7 @@ def main() -> None:
         name = f"chunk reuse, recompute {fraction:.0%} ({strategy})" if fraction else "chunk reuse, no recompute"
         rows.append((name, f"{share:.1%}", reused, first, exact, divergence))
     print(f"{len(measured)} measured prompts after {len(warmup)} warm-up prompts (pydoc topics, MiniLM top-5, "
-          "chunks in retrieval order)\n")
+          f"chunks in {'retrieval' if args.order == 'relevance' else 'stable'} order)\n")
     print("| arm | prompt tokens computed | prompts reusing a chunk | first-token agreement | "
           f"exact {ANSWER_TOKENS} tokens | mean KL, first {KL_POSITIONS} positions |")
     print("|---|---|---|---|---|---|")

@@ -64,7 +64,8 @@ class EngineArgs:
     enable_chunk_reuse: bool = _arg(False, "reuse a retrieved chunk's KV wherever it lands in a prompt given as "
                                           "prompt_segments (approximate: see the README's tuning guide)")
     chunk_recompute_fraction: float = _arg(0.15, "with enable_chunk_reuse: share of each reused chunk's tokens "
-                                                 "computed again with the full context")
+                                                 "computed again with the full context (below 1, none of a chunk "
+                                                 "that follows the segment it was computed after)")
     chunk_recompute_strategy: str = _arg("first", "which tokens of a reused chunk are computed again: "
                                                   "first (its first ones, as EPIC) or deviation (those whose KV "
                                                   "moves most at an early layer, as CacheBlend)")

@@ -74,6 +74,19 @@ def test_reuse_counts_add_up_and_the_prefix_cache_stays_exact():
     assert llm.llm_engine.cached_prefix_len(outputs[1].prompt_token_ids) <= head
 
 
+def test_a_chunk_after_the_segment_it_was_computed_after_is_imported_whole():
+    llm = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_fraction=0.5)
+    first, second, third = (c.text + "\n" for c in stdlib_chunks(max_chars=400, limit=3))
+    question = "Question: which module?\nAnswer:"
+    _run(llm, [[SYSTEM, first, second, question]])
+    # `first` now follows `third`, not the system prompt: half of it is computed again;
+    # `second` follows `first` as when it was computed: imported whole.
+    moved = _run(llm, [[SYSTEM, third, first, second, question]])[0]
+    length = len(llm.get_tokenizer().encode(first, add_special_tokens=False))
+    assert moved.num_recomputed_tokens == pytest.approx(length / 2, abs=2)
+    assert moved.num_chunk_hit_tokens > length  # `second` came in too, none of it recomputed
+
+
 def test_chunk_reuse_survives_preemption_and_aborts():
     llm = LLM(max_model_len=1024, num_gpu_blocks_override=120, enable_chunk_reuse=True, max_num_seqs=8)
     engine = llm.llm_engine

@@ -11,7 +11,9 @@ salt, head tokens, chunk tokens). Those blocks live in the prefix cache's pool a
 - Import: a chunk found in the cache is copied into the request's own blocks at its new
   position, keys rotated forward (RoPE is a rotation: K(p + d) = R(d) K(p)), and
   ``recompute_count(length)`` of its tokens are computed again with the full context, which
-  restores attention across the chunk boundary. Which ones the model runner decides
+  restores attention across the chunk boundary. Below a fraction of 1, a chunk that follows
+  the same segment it was computed after (``_computed_after``) is imported whole: its KV
+  already attends to that neighbour. Which ones the model runner decides
   (``Recompute``; worker.recompute_selection): the tokens whose KV deviates most at an early
   layer (as CacheBlend does), or the chunk's first ones (as EPIC does). The chunk's other
   tokens keep the KV of the prompt it was first computed in: an approximation, measured in
@@ -32,6 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pagedrag.core.block_hash import BlockHash, chunk_block_hashes, chunk_key, head_digest
@@ -93,6 +96,7 @@ class _Export:
     blocks: list[KVBlock]
     hashes: list[BlockHash]
     token_ids: list[int]
+    predecessor: bytes  # digest of the segment the chunk was computed after
 
 
 @dataclass
@@ -112,6 +116,9 @@ class ChunkCache:
         self.min_chunk_tokens = block_size  # shorter chunks are cheaper to compute than to track
         self.stats = ChunkCacheStats()
         self._held: dict[str, _Held] = {}
+        # chunk key (first block hash) -> digest of the segment it was computed after; at most
+        # as many entries as the pool has blocks (no more chunks than that can be cached)
+        self._computed_after: OrderedDict[BlockHash, bytes] = OrderedDict()
 
     def recompute_count(self, length: int) -> int:
         """Tokens recomputed at the start of an imported chunk of ``length`` tokens."""
@@ -129,6 +136,20 @@ class ChunkCache:
             request.chunk_hashes[index] = chunk_block_hashes(
                 key, request.token_ids[chunk.start:chunk.end], self.block_size)
         return request.chunk_hashes[index]
+
+    def _predecessor(self, request: Request, index: int) -> bytes:
+        """The digest of the segment before segment ``index`` (the head's for the first chunk)."""
+        before = request.segments[index - 1]
+        return head_digest(request.token_ids[before.start:before.end])
+
+    def _recompute_count_of(self, request: Request, index: int) -> int:
+        """Tokens of imported segment ``index`` to compute again: ``recompute_count`` of its
+        length, or none below a fraction of 1 when it follows the segment it was computed after."""
+        segment = request.segments[index]
+        if self.recompute_fraction < 1 and \
+                self._computed_after.get(self._hashes(request, index)[0]) == self._predecessor(request, index):
+            return 0
+        return self.recompute_count(segment.end - segment.start)
 
     def _reusable(self, request: Request, index: int) -> bool:
         segment = request.segments[index]
@@ -176,9 +197,10 @@ class ChunkCache:
             blocks = self.lookup(request, index)
             if blocks is None:
                 continue
-            count = self.recompute_count(segment.end - segment.start)
+            count = self._recompute_count_of(request, index)
             _add_run(runs, position, segment.start)
-            recompute.append(Recompute(segment.start, segment.end, count))
+            if count:
+                recompute.append(Recompute(segment.start, segment.end, count))
             imported.append((index, blocks))
             num_imported += segment.end - segment.start - count
             position = segment.end
@@ -226,7 +248,7 @@ class ChunkCache:
             blocks = self.pool.allocate(blocks_for(length, self.block_size))
             token_ids = request.token_ids[segment.start:segment.end]
             self._held.setdefault(request.request_id, _Held()).exports.append(
-                _Export(index, blocks, self._hashes(request, index), token_ids))
+                _Export(index, blocks, self._hashes(request, index), token_ids, self._predecessor(request, index)))
             moves.append(KVMove([_slot(table, segment.start + offset, self.block_size) for offset in range(length)],
                                 [_slot(blocks, offset, self.block_size) for offset in range(length)],
                                 -segment.start))
@@ -242,7 +264,14 @@ class ChunkCache:
             for number, (block, block_hash) in enumerate(zip(export.blocks, export.hashes)):
                 self.pool.cache(block, block_hash,
                                 export.token_ids[number * self.block_size:(number + 1) * self.block_size])
+            self._remember_predecessor(export.hashes[0], export.predecessor)
         self._let_go(held)
+
+    def _remember_predecessor(self, key: BlockHash, predecessor: bytes) -> None:
+        self._computed_after[key] = predecessor
+        self._computed_after.move_to_end(key)
+        while len(self._computed_after) > self.pool.num_blocks:
+            self._computed_after.popitem(last=False)
 
     def release(self, request: Request) -> None:
         """The request is freed (finished, preempted or failed): let go of its held blocks

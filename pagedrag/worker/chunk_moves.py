@@ -48,5 +48,7 @@ def apply_kv_moves(pool: torch.Tensor, inv_freq: torch.Tensor, moves: list[KVMov
     cos, sin = rotation(deltas, inv_freq)
     slots = pool.view(pool.shape[0], 2, -1, *pool.shape[4:])  # [layers, K/V, slots, heads, dim]
     keys, values = slots[:, 0], slots[:, 1]
-    keys.index_copy_(1, dst, rotate(keys.index_select(1, src), cos, sin).to(pool.dtype))
-    values.index_copy_(1, dst, values.index_select(1, src))
+    # Gathered by indexing, not index_select(1, ...): on CPU that one took ~70x as long on
+    # these strided views (558 against 8 ms for 500 slots of 30 layers, a 2 GiB pool).
+    keys.index_copy_(1, dst, rotate(keys[:, src], cos, sin).to(pool.dtype))
+    values.index_copy_(1, dst, values[:, src])

@@ -96,7 +96,7 @@ class _Export:
     blocks: list[KVBlock]
     hashes: list[BlockHash]
     token_ids: list[int]
-    predecessor: bytes  # digest of the segment the chunk was computed after
+    predecessor: BlockHash  # the key of the segment the chunk was computed after (_predecessor)
 
 
 @dataclass
@@ -116,9 +116,9 @@ class ChunkCache:
         self.min_chunk_tokens = block_size  # shorter chunks are cheaper to compute than to track
         self.stats = ChunkCacheStats()
         self._held: dict[str, _Held] = {}
-        # chunk key (first block hash) -> digest of the segment it was computed after; at most
+        # chunk key (first block hash) -> the key of the segment it was computed after; at most
         # as many entries as the pool has blocks (no more chunks than that can be cached)
-        self._computed_after: OrderedDict[BlockHash, bytes] = OrderedDict()
+        self._computed_after: OrderedDict[BlockHash, BlockHash] = OrderedDict()
 
     def recompute_count(self, length: int) -> int:
         """Tokens recomputed at the start of an imported chunk of ``length`` tokens."""
@@ -137,10 +137,10 @@ class ChunkCache:
                 key, request.token_ids[chunk.start:chunk.end], self.block_size)
         return request.chunk_hashes[index]
 
-    def _predecessor(self, request: Request, index: int) -> bytes:
-        """The digest of the segment before segment ``index`` (the head's for the first chunk)."""
-        before = request.segments[index - 1]
-        return head_digest(request.token_ids[before.start:before.end])
+    def _predecessor(self, request: Request, index: int) -> BlockHash:
+        """What identifies the segment before segment ``index`` (the head, for the first chunk):
+        its own chunk key, kept on the request like every chunk's hashes."""
+        return self._hashes(request, index - 1)[0]
 
     def _recompute_count_of(self, request: Request, index: int) -> int:
         """Tokens of imported segment ``index`` to compute again: ``recompute_count`` of its
@@ -267,7 +267,7 @@ class ChunkCache:
             self._remember_predecessor(export.hashes[0], export.predecessor)
         self._let_go(held)
 
-    def _remember_predecessor(self, key: BlockHash, predecessor: bytes) -> None:
+    def _remember_predecessor(self, key: BlockHash, predecessor: BlockHash) -> None:
         self._computed_after[key] = predecessor
         self._computed_after.move_to_end(key)
         while len(self._computed_after) > self.pool.num_blocks:

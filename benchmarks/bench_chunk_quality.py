@@ -10,10 +10,16 @@ measured ones, one at a time, chunks in the retriever's order (their positions v
 
 - full prefill: exact prefix caching only (the reference);
 - chunk reuse without recompute (the cached KV kept as is), and at each recompute fraction
-  with each way of picking the recomputed tokens (pagedrag.worker.recompute_selection).
+  with each way of picking the recomputed tokens (pagedrag.worker.recompute_selection), or
+  ``oracle``: the ideal of CacheBlend's selection, a bound for any way of picking tokens
+  (measurement only: it costs a full prefill). It picks the tokens whose K/V, summed over
+  every layer (each layer's squared change relative to its mean squared norm), differ most
+  from full prefill's; the probe's exact K/V is then put back to the imported copy, so only
+  the picked tokens are recomputed.
 
 Per arm: the share of prompt tokens computed; over the measured prompts that reused a chunk,
-first-token agreement with the reference, exact match of the first 32 greedy tokens, and the
+first-token agreement with the reference, exact match of the first 32 greedy tokens (not with
+``--kl-only``: first-token agreement then reads the teacher-forced pass's argmax), and the
 mean KL divergence KL(reference || arm) of the next-token distribution over the first 16
 answer positions, both fed the reference's answer (teacher forcing). Prints a markdown table.
 """
@@ -32,6 +38,7 @@ from rag_stream import SYSTEM_PROMPT, rag_stream  # noqa: E402
 
 from pagedrag import LLM, SamplingParams  # noqa: E402
 from pagedrag.rag.canonical import REUSABLE_CHUNK_TEMPLATE, PromptCanonicalizer  # noqa: E402
+from pagedrag.worker import model_runner, recompute_selection  # noqa: E402
 
 ANSWER_TOKENS = 32
 KL_POSITIONS = 16
@@ -88,6 +95,21 @@ class Arm:
         return self.llm.generate({"prompt_segments": segments}, params, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def ideal_deviation(model, layers, input_ids, positions, meta, slots: torch.Tensor) -> list[float]:
+    """The ``oracle`` arm's stand-in for recompute_selection.probe_deviation: every layer's K/V
+    of the span computed exactly, each slot's change from the imported copy summed over the
+    layers (relative to the layer's mean squared norm), the imported copy put back."""
+    total = torch.zeros(slots.shape[0])
+    imported = [[cache.view(-1, *cache.shape[2:])[slots].clone() for cache in layer] for layer in layers]
+    model.forward_layers(input_ids, positions, layers, meta, len(layers))
+    for layer, copies in zip(layers, imported):
+        for cache, copy in zip(layer, copies):
+            flat = cache.view(-1, *cache.shape[2:])
+            total += (flat[slots] - copy).float().square().sum(dim=(1, 2)) / copy.float().square().sum(dim=(1, 2)).mean()
+            flat[slots] = copy
+    return total.tolist()
+
+
 def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
     """Mean over positions of KL(reference || other), both log-probs [positions, vocab]."""
     return float((reference.exp() * (reference - other)).sum(-1).mean())
@@ -103,8 +125,13 @@ def reference_run(prompts: list[list[dict]]) -> tuple[list[list[int]], list[torc
     return answers, [forced.forced(segments, answer)[0] for segments, answer in zip(prompts, answers)]
 
 
-def reuse_run(prompts, warmup, reference, reference_probs, fraction: float, strategy: str) -> tuple:
-    arm = Arm(enable_chunk_reuse=True, chunk_recompute_fraction=fraction, chunk_recompute_strategy=strategy)
+def reuse_run(prompts, warmup, reference, reference_probs, fraction: float, strategy: str,
+              kl_only: bool) -> tuple:
+    """(share computed, prompts reusing a chunk, first-token agreement, exact match or None, mean KL)."""
+    oracle = strategy == "oracle"
+    model_runner.probe_deviation = ideal_deviation if oracle else recompute_selection.probe_deviation
+    arm = Arm(enable_chunk_reuse=True, chunk_recompute_fraction=fraction,
+              chunk_recompute_strategy="deviation" if oracle else strategy)
     arm.warm(warmup)
     first, exact, divergence, reused = [], [], [], 0
     for segments, answer, reference_log_probs in zip(prompts, reference, reference_probs):
@@ -112,11 +139,15 @@ def reuse_run(prompts, warmup, reference, reference_probs, fraction: float, stra
         if not chunk_hits:
             continue
         reused += 1
-        tokens = arm.greedy(segments)
-        first.append(tokens[0] == answer[0])
-        exact.append(tokens == answer)
+        if kl_only:
+            first.append(int(log_probs[0].argmax()) == answer[0])
+        else:
+            tokens = arm.greedy(segments)
+            first.append(tokens[0] == answer[0])
+            exact.append(tokens == answer)
         divergence.append(kl(reference_log_probs, log_probs))
-    return arm.computed / arm.total, reused, statistics.mean(first), statistics.mean(exact), statistics.mean(divergence)
+    return (arm.computed / arm.total, reused, statistics.mean(first),
+            statistics.mean(exact) if exact else None, statistics.mean(divergence))
 
 
 def main() -> None:
@@ -124,7 +155,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=40)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.15, 0.3])
-    parser.add_argument("--strategies", nargs="+", default=["deviation", "first"])
+    parser.add_argument("--strategies", nargs="+", default=["deviation", "first"],
+                        choices=["deviation", "first", "oracle"])
+    parser.add_argument("--kl-only", action="store_true",
+                        help="skip the 32-token greedy answers (exact match); first-token agreement from the KL pass")
     parser.add_argument("--order", default="relevance", choices=["relevance", "stable"],
                         help="the canonicalizer's chunk order (stable: as bench_chunk_cpu's stream)")
     parser.add_argument("--isolated", action="store_true",
@@ -145,21 +179,22 @@ def main() -> None:
         warmup = [[head, {"token_ids": list(chunk)}, {"token_ids": [198], "reusable": False}] for chunk in chunks]
 
     reference, reference_probs = reference_run(measured)
-    rows = [("full prefill (prefix caching)", "", len(measured), 1.0, 1.0, 0.0)]
-    arms = [(0.0, "first")] + [(fraction, strategy) for fraction in args.fractions for strategy in args.strategies]
-    for fraction, strategy in arms:
-        share, reused, first, exact, divergence = reuse_run(measured, warmup, reference, reference_probs,
-                                                            fraction, strategy)
-        name = f"chunk reuse, recompute {fraction:.0%} ({strategy})" if fraction else "chunk reuse, no recompute"
-        rows.append((name, f"{share:.1%}", reused, first, exact, divergence))
     print(f"{len(measured)} measured prompts after {len(warmup)} warm-up prompts (pydoc topics, MiniLM top-5, "
           f"chunks in {'retrieval' if args.order == 'relevance' else 'stable'} order)\n")
     print("| arm | prompt tokens computed | prompts reusing a chunk | first-token agreement | "
-          f"exact {ANSWER_TOKENS} tokens | mean KL, first {KL_POSITIONS} positions |")
-    print("|---|---|---|---|---|---|")
-    for name, computed, count, first, exact, kl in rows:
-        print(f"| {name} | {computed} | {count} | {first:.1%} | {exact:.1%} | {kl:.4f} |")
-
+          f"exact {ANSWER_TOKENS} tokens | mean KL, first {KL_POSITIONS} positions | KL vs no recompute |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| full prefill (prefix caching) | | {len(measured)} | 100% | 100% | 0 | |", flush=True)
+    arms = [(0.0, "first")] + [(fraction, strategy) for fraction in args.fractions for strategy in args.strategies]
+    no_recompute_kl = None
+    for fraction, strategy in arms:
+        share, reused, first, exact, divergence = reuse_run(measured, warmup, reference, reference_probs,
+                                                            fraction, strategy, args.kl_only)
+        no_recompute_kl = no_recompute_kl or divergence
+        name = f"chunk reuse, recompute {fraction:.0%} ({strategy})" if fraction else "chunk reuse, no recompute"
+        exact_cell = "" if exact is None else f"{exact:.1%}"
+        print(f"| {name} | {share:.1%} | {reused} | {first:.1%} | {exact_cell} | {divergence:.4f} | "
+              f"{divergence / no_recompute_kl:.0%} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 
@@ -22,6 +23,11 @@ DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32,
 def _arg(default, help_text: str):
     """A field with its --help text (the CLI's flags are generated from these)."""
     return field(default=default, metadata={"help": help_text})
+
+
+def _is_real(value: object) -> bool:
+    """A real number (numpy scalars included), not a bool (True is not a fraction) nor a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass
@@ -107,8 +113,10 @@ class EngineArgs:
              f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"),
             (self.preemption_mode in PREEMPTION_MODES,
              f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"),
-            (0 <= self.chunk_recompute_fraction <= 1,
-             f"chunk_recompute_fraction must be in [0, 1], got {self.chunk_recompute_fraction}"),
+            (isinstance(self.enable_chunk_reuse, bool),
+             f"enable_chunk_reuse must be True or False, got {self.enable_chunk_reuse!r}"),
+            (_is_real(self.chunk_recompute_fraction) and 0 <= self.chunk_recompute_fraction <= 1,
+             f"chunk_recompute_fraction must be a number in [0, 1], got {self.chunk_recompute_fraction!r}"),
             (self.chunk_recompute_strategy in ("deviation", "first"),
              f"chunk_recompute_strategy must be deviation or first, got {self.chunk_recompute_strategy!r}"),
             (self.enable_prefix_caching or not self.enable_chunk_reuse,

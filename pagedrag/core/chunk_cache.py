@@ -245,10 +245,11 @@ class ChunkCache:
             length = segment.end - segment.start
             if blocks_for(length, self.block_size) > self.pool.num_free:
                 break
-            blocks = self.pool.allocate(blocks_for(length, self.block_size))
+            hashes, predecessor = self._hashes(request, index), self._predecessor(request, index)
+            blocks = self.pool.allocate(blocks_for(length, self.block_size))  # nothing below raises
             token_ids = request.token_ids[segment.start:segment.end]
             self._held.setdefault(request.request_id, _Held()).exports.append(
-                _Export(index, blocks, self._hashes(request, index), token_ids, self._predecessor(request, index)))
+                _Export(index, blocks, hashes, token_ids, predecessor))
             moves.append(KVMove([_slot(table, segment.start + offset, self.block_size) for offset in range(length)],
                                 [_slot(blocks, offset, self.block_size) for offset in range(length)],
                                 -segment.start))

@@ -81,14 +81,13 @@ class InputProcessor:
         ``cache_salt`` argument wins over the dict's; ``truncate_prompt_tokens`` keeps the
         last k tokens (the text is then dropped). With ``segment_prompts`` a text prompt is
         cut into segments (around ``chunks``, the retrieved chunks' texts, or at blank
-        lines). Raises ValueError / TypeError."""
+        lines). Raises ValueError / TypeError; also when ``chunks`` come with a prompt that has
+        no text to cut (token ids, prompt_segments), rather than leaving them unused."""
+        if chunks and not self._segmentable(prompt):
+            raise ValueError("prompt_chunks (chunks) cut a text prompt into segments; this prompt is "
+                             "token ids or prompt_segments, which have no text to cut")
         if self.segment_prompts and self._segmentable(prompt):
-            text = prompt if isinstance(prompt, str) else prompt["prompt"]
-            self._check_text(text)
-            segmented = {"prompt_segments": text_segments(text, chunks)}
-            if isinstance(prompt, Mapping) and "cache_salt" in prompt:
-                segmented["cache_salt"] = prompt["cache_salt"]
-            prompt = segmented
+            prompt = self._segmented(prompt, chunks)
         if isinstance(prompt, ProcessedPrompt):
             text, token_ids, salt, segments = prompt.text, prompt.token_ids, prompt.cache_salt, prompt.segments
         else:
@@ -105,6 +104,19 @@ class InputProcessor:
         """A text prompt (a string, or a dict with a text and no token ids or segments)."""
         return isinstance(prompt, str) or (isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str)
                                            and not {"prompt_token_ids", "prompt_segments"} & set(prompt))
+
+    def _segmented(self, prompt: str | Mapping, chunks: Sequence[str] | None) -> dict:
+        """A text prompt as a prompt_segments dict (engine.segments.text_segments), its
+        cache_salt kept. A prompt dict's keys are checked as _parse checks them, so that
+        chunk reuse never drops a key that would be refused without it."""
+        if isinstance(prompt, Mapping):
+            self._check_keys(prompt)
+        text = prompt if isinstance(prompt, str) else prompt["prompt"]
+        self._check_text(text)
+        segmented = {"prompt_segments": text_segments(text, chunks)}
+        if isinstance(prompt, Mapping) and "cache_salt" in prompt:
+            segmented["cache_salt"] = prompt["cache_salt"]
+        return segmented
 
     def _parse(self, prompt: PromptType) -> tuple[tuple[str | None, list[int], str | None], tuple[PromptSegment, ...]]:
         if isinstance(prompt, Mapping) and "prompt_segments" in prompt:
@@ -124,7 +136,12 @@ class InputProcessor:
         """prompt_segments: texts, token-id lists or {"text" | "token_ids", "reusable"} dicts. The
         prompt is their concatenation; each text is tokenized on its own (the first with the
         tokenizer's special tokens, unless ``special_first`` is False: a rendered chat has them
-        in its text), so a chunk has the same tokens wherever it lands."""
+        in its text), so a chunk has the same tokens wherever it lands.
+
+        Invariant: every PromptSegment covers at least one token. A segment with no tokens (an
+        empty text or list) adds nothing to the prompt and is left out; when it is the first,
+        the first segment with tokens is the head (core.chunk_cache keys a chunk by the
+        segment before it, which needs a token)."""
         if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Sequence) or not items:
             raise ValueError("prompt_segments must be a non-empty list of texts, token-id lists or "
                              "{'text' | 'token_ids', 'reusable'} dicts")
@@ -136,6 +153,8 @@ class InputProcessor:
         for index, (content, reusable) in enumerate(parts):
             ids = content if not isinstance(content, str) else \
                 self._encode_segment(content, special=special_first and index == 0)
+            if not ids:
+                continue
             segments.append(PromptSegment(len(token_ids), len(token_ids) + len(ids), reusable))
             token_ids.extend(ids)
         texts = [content for content, _ in parts]

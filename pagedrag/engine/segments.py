@@ -1,7 +1,7 @@
 """Where a prompt's reusable chunks are, for chunk reuse (core.chunk_cache), when the caller
 did not say it with ``prompt_segments``.
 
-- Given the retrieved chunks' texts, the prompt is cut around each one found in it, in order.
+- Given the retrieved chunks' texts (in any order), the prompt is cut around each one found in it.
 - Otherwise paragraphs are the chunks: the prompt is cut after each blank line, the way
   RAG templates (LlamaIndex's context_str, LangChain's format_docs) join documents.
 
@@ -13,6 +13,7 @@ on its own, so a chunk has the same tokens wherever it lands.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Callable, Sequence
 
@@ -27,20 +28,38 @@ def paragraph_pieces(text: str) -> list[tuple[str, bool]]:
 
 
 def chunk_pieces(text: str, chunks: Sequence[str]) -> list[tuple[str, bool]]:
-    """(piece, reusable): each chunk found in the text (in order) is a reusable piece; the
-    text around them is not."""
-    pieces, position = [], 0
+    """(piece, reusable): each chunk found in the text is a reusable piece; the text around
+    them is not. The chunks may come in any order (a retriever's, not the prompt's): each
+    takes its first place in the text that no chunk before it in ``chunks`` took (a chunk
+    given twice takes two places), and one with no such place stays in the text around them."""
+    taken: list[tuple[int, int]] = []  # sorted, disjoint
     for chunk in chunks:
-        start = text.find(chunk, position) if chunk else -1
-        if start < 0:
-            continue
+        span = _free_place(text, chunk, taken)
+        if span is not None:
+            bisect.insort(taken, span)
+    pieces, position = [], 0
+    for start, end in taken:
         if start > position:
             pieces.append((text[position:start], False))
-        pieces.append((chunk, True))
-        position = start + len(chunk)
+        pieces.append((text[start:end], True))
+        position = end
     if position < len(text):
         pieces.append((text[position:], False))
     return pieces
+
+
+def _free_place(text: str, chunk: str, taken: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """The first [start, end) of a non-empty ``chunk`` in ``text`` that overlaps no span of
+    ``taken`` (sorted, disjoint). Each overlap moves the search past the span it hit, so the
+    text is scanned once per chunk."""
+    start = text.find(chunk) if chunk else -1
+    while start >= 0:
+        end = start + len(chunk)
+        after = bisect.bisect_left(taken, (end, end))  # spans from here on begin at or after end
+        if after == 0 or taken[after - 1][1] <= start:
+            return start, end
+        start = text.find(chunk, taken[after - 1][1])
+    return None
 
 
 def _segments(head: str, pieces: list[tuple[str, bool]], tail: str) -> list[Segment]:

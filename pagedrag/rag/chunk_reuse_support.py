@@ -64,8 +64,9 @@ class ChunkTexts:
     (least recently added dropped first). ``found_in(text)`` returns held texts that occur in
     ``text``, ordered by where they occur, none overlapping another: where several start at
     one place the longest wins, and a text that starts inside a kept one is left out. So the
-    engine's search (``engine.segments.chunk_pieces``: each chunk after the previous one)
-    finds each exactly where it was found here. Safe to share between threads.
+    engine's search (``engine.segments.chunk_pieces``: each chunk at its first place no
+    earlier chunk took) finds each exactly where it was found here. Safe to share between
+    threads.
     """
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:

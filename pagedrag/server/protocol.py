@@ -19,8 +19,9 @@ pagedrag's own extensions, for chunk reuse (``--enable-chunk-reuse``):
 - ``prompt_chunks`` (both routes): the retrieved chunks' texts (at most
   MAX_PROMPT_CHUNKS); the prompt (the last user message, in a chat) is cut into segments
   around each one found in it. Only with ``prompt`` or ``messages``, not with
-  ``prompt_segments``, which already say where the chunks are. Ignored with a chat
-  template sent with the request.
+  ``prompt_segments``, which already say where the chunks are, nor with a prompt of token
+  ids. Ignored with a chat template sent with the request. A chat's ``prompt_segments`` is
+  a 400 (not ignored).
 - ``usage.prompt_tokens_details`` (PromptTokensDetails) adds chunk_cache_hits,
   chunk_tokens_recomputed and prompt_tokens_computed to OpenAI's cached_tokens.
 
@@ -295,6 +296,17 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     chat_template: str | None = None  # vLLM's field; honoured only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    prompt_segments: Any = None  # /v1/completions' own: refused here (_no_prompt_segments)
+
+    @field_validator("prompt_segments", mode="before")
+    @classmethod
+    def _no_prompt_segments(cls, value: Any) -> Any:
+        """A chat has no prompt_segments (its template decides the text): rather than ignore
+        them, say so and point to prompt_chunks."""
+        if value is not None:
+            raise ValueError("prompt_segments is a /v1/completions field; a chat's last user message is "
+                             "cut around prompt_chunks (the retrieved chunks' texts)")
+        return value
 
     def request_chat_template(self) -> str | None:
         """The chat template the request brings (top-level or in chat_template_kwargs), if any."""

@@ -48,8 +48,8 @@ def probe_deviation(model: torch.nn.Module, layers: list[tuple[torch.Tensor, tor
     in the last probe layer, one value per slot (a host list: the step waits for it)."""
     last = min(PROBE_LAYERS, len(layers)) - 1
     flat = [cache.view(-1, *cache.shape[2:]) for cache in layers[last]]
-    before = [cache.index_select(0, slots).float() for cache in flat]
+    # gathered by indexing: index_select on the pool's layer-strided views is ~70x slower on CPU
+    before = [cache[slots].float() for cache in flat]
     model.forward_layers(input_ids, positions, layers, meta, last + 1)
-    change = sum((cache.index_select(0, slots).float() - old).square().sum(dim=(1, 2))
-                 for cache, old in zip(flat, before))
+    change = sum((cache[slots].float() - old).square().sum(dim=(1, 2)) for cache, old in zip(flat, before))
     return change.tolist()

@@ -117,16 +117,20 @@ def test_hostile_segments_fail_alone(reuse, bad, message):
 
 # ---- the server ----------------------------------------------------------------------------
 def test_server_refuses_what_it_would_ignore():
-    """prompt_segments on a chat and prompt_chunks with a token-id prompt were ignored with a
-    200; now a 400 names them. An empty segment before a chunk is a 200."""
+    """prompt_segments on a chat, and prompt_chunks with a token-id prompt or a chat template
+    sent with the request, were ignored with a 200; now a 400 names them. An empty segment
+    before a chunk is a 200."""
     def post(path: str, body: dict) -> httpx.Response:
         return httpx.post(server.base_url + path, timeout=120, headers={"Content-Type": "application/json"},
                           content=json.dumps({"model": "smol", "max_tokens": 2, "temperature": 0, **body}))
 
     chat = [{"role": "user", "content": CHUNKS[0] + "Which module?"}]
     engine = connect(engine_kwargs={**TIGHT, "enable_chunk_reuse": True}).shared.engine
-    with BackgroundServer(build_app(engine, ServerConfig(served_model_names=["smol"]))) as server:
+    config = ServerConfig(served_model_names=["smol"], trust_request_chat_template=True)
+    with BackgroundServer(build_app(engine, config)) as server:
         refused = [post("/v1/chat/completions", {"messages": chat, "prompt_segments": [CHUNKS[0]]}),
+                   post("/v1/chat/completions", {"messages": chat, "prompt_chunks": [CHUNKS[0]],
+                                                 "chat_template": "{{ messages[0]['content'] }}"}),
                    post("/v1/completions", {"prompt": [1, 2, 3], "prompt_chunks": ["x"]}),
                    post("/v1/completions", {"prompt": [[1, 2], [3]], "prompt_chunks": ["x"]})]
         empty_head = post("/v1/completions", {"prompt_segments": ["", CHUNKS[2], CHUNKS[3], "Which?"]})
@@ -134,7 +138,7 @@ def test_server_refuses_what_it_would_ignore():
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error" and "prompt_" in error["message"]
-    assert refused[0].json()["error"]["param"] == "prompt_segments"
+    assert [r.json()["error"]["param"] for r in refused[:2]] == ["prompt_segments", "prompt_chunks"]
     assert empty_head.status_code == 200, empty_head.text
 
 

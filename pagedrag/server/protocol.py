@@ -20,8 +20,8 @@ pagedrag's own extensions, for chunk reuse (``--enable-chunk-reuse``):
   MAX_PROMPT_CHUNKS); the prompt (the last user message, in a chat) is cut into segments
   around each one found in it. Only with ``prompt`` or ``messages``, not with
   ``prompt_segments``, which already say where the chunks are, nor with a prompt of token
-  ids. Ignored with a chat template sent with the request. A chat's ``prompt_segments`` is
-  a 400 (not ignored).
+  ids, nor with a chat template sent with the request (a 400). A chat's ``prompt_segments``
+  is a 400 too (not ignored).
 - ``usage.prompt_tokens_details`` (PromptTokensDetails) adds chunk_cache_hits,
   chunk_tokens_recomputed and prompt_tokens_computed to OpenAI's cached_tokens.
 

@@ -177,8 +177,8 @@ class Serving:
                           tools: ToolPlan | None = None) -> ProcessedPrompt:
         """A conversation (with its ``tools``) through the model's chat template, cut around
         the request's prompt_chunks (with chunk reuse), or through the request's own template
-        (only with --trust-request-chat-template, in the sandboxed renderer; never cut),
-        off the event loop."""
+        (only with --trust-request-chat-template, in the sandboxed renderer; never cut, so
+        prompt_chunks are then refused), off the event loop."""
         conversation = request.conversation()
         try:
             template = request.request_chat_template()
@@ -192,6 +192,9 @@ class Serving:
             if tools is not None:
                 raise APIError(400, "tools cannot be combined with a chat template sent with the request",
                                param="tools")
+            if request.prompt_chunks is not None:
+                raise APIError(400, "prompt_chunks cannot be combined with a chat template sent with the request "
+                                    "(its rendering is never cut into segments)", param="prompt_chunks")
             text = await self._render_request_template(template, request)
             return await self.engine.preprocess(lambda inputs: inputs.process_chat_text(text, salt))
         except APIError:

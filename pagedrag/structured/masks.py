@@ -18,10 +18,10 @@ def fill_masks(matchers: list, vocab_size: int, device: torch.device) -> tuple[t
     ``matchers[i]`` is row i's GrammarMatcher or None. ``bitmask`` is [len(rows),
     ceil(vocab / 32)] int32, xgrammar's packing: bit j of word w allows token 32 w + j.
     """
-    import xgrammar
     rows = [row for row, matcher in enumerate(matchers) if matcher is not None]
     if not rows:
         return None
+    import xgrammar  # only where a row is constrained: an engine without grammars never needs it
     bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab_size)
     for index, row in enumerate(rows):
         matchers[row].fill_next_token_bitmask(bitmask, index)

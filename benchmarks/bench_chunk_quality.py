@@ -196,5 +196,6 @@ def main() -> None:
         print(f"| {name} | {share:.1%} | {reused} | {first:.1%} | {exact_cell} | {divergence:.4f} | "
               f"{divergence / no_recompute_kl:.0%} |", flush=True)
 
+
 if __name__ == "__main__":
     main()

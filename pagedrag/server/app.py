@@ -18,6 +18,7 @@ from pagedrag.server.body_limit import BodySizeLimitMiddleware
 from pagedrag.server.chat import create_chat_completion
 from pagedrag.server.completions import create_completion
 from pagedrag.server.errors import engine_dead, install_error_handlers
+from pagedrag.server.openapi import EVENT_STREAM, error_responses, install_openapi
 from pagedrag.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pagedrag.server.serving import ServerConfig, Serving
 
@@ -34,12 +35,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pagedrag", version=__version__, lifespan=lifespan)
     app.state.serving = serving
     install_error_handlers(app)
+    install_openapi(app, api_keys=bool(config.api_keys))
     if config.api_keys:
         app.add_middleware(ApiKeyMiddleware, api_keys=config.api_keys)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_bytes)
     started = int(time.time())
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(503))
     async def health() -> Response:
         if engine.dead_reason is not None:
             raise engine_dead(engine.dead_reason)
@@ -49,7 +51,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/stats")
+    @app.get("/v1/stats", responses=error_responses(503))
     async def stats() -> Response:
         """pagedrag's own route (not OpenAI's): what ``pagedrag.LLM.stats()`` returns."""
         try:
@@ -62,11 +64,11 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         return ModelList(data=[ModelCard(id=name, created=started, max_model_len=serving.max_model_len)
                                for name in config.served_model_names])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**EVENT_STREAM, **error_responses(400, 404, 503)})
     async def completions(request: CompletionRequest, http_request: Request):
         return await create_completion(serving, request, http_request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**EVENT_STREAM, **error_responses(400, 404, 503)})
     async def chat_completions(request: ChatCompletionRequest, http_request: Request):
         return await create_chat_completion(serving, request, http_request)
 

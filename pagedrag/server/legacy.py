@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from pagedrag.server.errors import APIError
+from pagedrag.server.openapi import error_responses
 from pagedrag.server.protocol import CompletionRequest, StrictRequest
 from pagedrag.server.serving import Serving
 from pagedrag.server.streams import unless_disconnected
@@ -34,7 +35,7 @@ class GenerateRequest(StrictRequest):
     stream: bool = False
 
 
-@router.post("/generate")
+@router.post("/generate", responses=error_responses(400, 404, 503))
 async def generate(body: GenerateRequest, http_request: Request):
     serving: Serving = http_request.app.state.serving
     request = _as_completion(body)

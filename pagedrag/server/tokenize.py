@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from pagedrag import __version__
 from pagedrag.server.errors import APIError
+from pagedrag.server.openapi import error_responses
 from pagedrag.server.protocol import ChatMessage, StrictRequest
 from pagedrag.server.serving import Serving
 
@@ -38,7 +39,7 @@ class DetokenizeRequest(StrictRequest):
     tokens: list[int]
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=error_responses(400, 404))
 async def tokenize(body: TokenizeRequest, http_request: Request) -> JSONResponse:
     serving: Serving = http_request.app.state.serving
     serving.resolve_model(body.model)
@@ -62,7 +63,7 @@ def _token_ids(inputs, body: TokenizeRequest) -> list[int]:
     return inputs.tokenizer.encode(text, add_special_tokens=False)
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=error_responses(400, 404))
 async def detokenize(body: DetokenizeRequest, http_request: Request) -> JSONResponse:
     serving: Serving = http_request.app.state.serving
     serving.resolve_model(body.model)

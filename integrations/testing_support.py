@@ -69,6 +69,9 @@ RAG_QUERIES = (
     "What does a random generator instance hold?",
     "How do I serialize data to JSON with sorted keys?",
 )
+# The RAG pipeline tests' stream: every other question (each module's topics still overlap),
+# unless PAGEDRAG_STREAM=full asks for all 32.
+RAG_STREAM = RAG_QUERIES if os.environ.get("PAGEDRAG_STREAM") == "full" else RAG_QUERIES[::2]
 
 # Two RAG_QUERIES whose top CHUNK_REUSE_TOP_K documents overlap in another order, led by
 # different documents (tests check it: overlap_in_another_order)

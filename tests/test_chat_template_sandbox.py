@@ -108,8 +108,8 @@ def test_slow_template_is_killed_and_the_loop_keeps_running(renderer):
         return elapsed, max(gaps)
 
     elapsed, longest_gap = asyncio.run(main())
-    assert 1.0 <= elapsed < 5.0
-    assert longest_gap < 0.25  # the event loop never waited on the template
+    assert 1.0 <= elapsed < 30.0  # the 1 s limit held (generous: a loaded machine is slow to notice)
+    assert longest_gap < 0.9  # the event loop never waited on the template (a wait would be >= 1 s)
     assert render(renderer, CHATML, kwargs={"system_default": "S"}).startswith("<s><|im_start|>system\nS")
 
 

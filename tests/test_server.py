@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -317,17 +318,41 @@ def test_api_key_required(server):
     assert _post(server.base_url, "/v1/completions", body, key=KEYS[1]).status_code == 200
 
 
+def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    """Wait for ``condition()`` (polled); fail with a message naming ``what`` if it never holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} was not seen within {timeout:.0f} s")
+        time.sleep(0.01)
+
+
 def test_queue_full_is_503(open_server, engine):
-    """max_queue=1: while one request streams, the next is turned away; afterwards it is served."""
+    """max_queue=1: while one request holds the seat, the next is turned away; afterwards it is
+    served. The engine's steps are held back until the knock, so the first request is in flight
+    for as long as the test needs, however fast or loaded the machine is."""
     _wait_idle(engine)
-    body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", open_server.base_url + "/v1/completions", json=body, timeout=60) as response:
-        next(response.iter_lines())
-        deadline = time.monotonic() + 30
-        while engine.num_in_flight != 1 and time.monotonic() < deadline:  # the stream holds the one seat
-            time.sleep(0.05)
-        error = _assert_error(_post(open_server.base_url, "/v1/completions", {"prompt": "x"}, key=None), 503)
-        assert error["code"] == "queue_full"
+    gate = threading.Event()
+    runner = engine.engine.runner
+    real_execute = runner.execute
+
+    def held_execute(step, *args):
+        gate.wait(timeout=120)
+        return real_execute(step, *args)
+
+    body = {"prompt": "Count:", "max_tokens": 4, "ignore_eos": True}
+    runner.execute = held_execute
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            holder = pool.submit(_post, open_server.base_url, "/v1/completions", body, None)
+            _wait_for(lambda: engine.num_in_flight == 1, "the first request in flight")
+            error = _assert_error(_post(open_server.base_url, "/v1/completions", {"prompt": "x"}, key=None), 503)
+            assert error["code"] == "queue_full"
+            gate.set()
+            assert holder.result(timeout=120).status_code == 200
+    finally:
+        gate.set()
+        runner.execute = real_execute
     _wait_idle(engine)
     assert _post(open_server.base_url, "/v1/completions", {"prompt": "x", "max_tokens": 1}, key=None).status_code == 200
 

@@ -1,5 +1,6 @@
 """A real LCEL RAG chain: a faiss retriever with MiniLM embeddings, CanonicalDocuments, the
-canonical prompt and ChatPagedRAG; 32 questions whose top-5 retrieved sets overlap.
+canonical prompt and ChatPagedRAG; the questions of RAG_STREAM (16; all 32 with
+PAGEDRAG_STREAM=full), whose top-5 retrieved sets overlap.
 
 The canonical document order must at least double the prefix-cache hit rate, and the
 answers must equal those of the same prompts run with prefix caching off (greedy decoding).
@@ -10,7 +11,7 @@ from __future__ import annotations
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.runnables import RunnablePassthrough
 from langchain_pagedrag import PAGEDRAG_RAG_PROMPT, CanonicalDocuments, ChatPagedRAG, format_documents
-from testing_support import ENGINE_KWARGS, MAX_TOKENS, NO_CACHE_ENGINE_KWARGS, RAG_QUERIES, hit_rate
+from testing_support import ENGINE_KWARGS, MAX_TOKENS, NO_CACHE_ENGINE_KWARGS, RAG_STREAM, hit_rate
 
 
 def prompt_chain(retriever, canonical: bool):
@@ -22,7 +23,7 @@ def run_chain(chain, chat: ChatPagedRAG) -> tuple[float, list[str]]:
     """Ask every question, one after the other, on a cold prefix cache: (hit rate, answers)."""
     chat.client.reset_prefix_cache()
     before = chat.stats()
-    answers = [chain.invoke(query) for query in RAG_QUERIES]
+    answers = [chain.invoke(query) for query in RAG_STREAM]
     return hit_rate(before, chat.stats()), answers
 
 
@@ -37,6 +38,6 @@ def test_canonical_order_doubles_the_hit_rate_and_keeps_the_answers(retriever, c
     assert canonical >= 2 * retriever_order
 
     reference = ChatPagedRAG(engine_kwargs=NO_CACHE_ENGINE_KWARGS, max_tokens=MAX_TOKENS)
-    expected = reference.batch(canonical_prompts.batch(list(RAG_QUERIES)))  # submitted together: one engine batch
+    expected = reference.batch(canonical_prompts.batch(list(RAG_STREAM)))  # submitted together: one engine batch
     assert answers == [message.content for message in expected]
     assert all(message.usage_metadata["input_token_details"]["cache_read"] == 0 for message in expected)

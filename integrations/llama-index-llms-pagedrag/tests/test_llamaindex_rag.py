@@ -1,5 +1,6 @@
 """A real RAG pipeline: PagedRAG as Settings.llm over a faiss VectorStoreIndex with MiniLM
-embeddings; 32 questions whose top-5 retrieved sets overlap.
+embeddings; the questions of RAG_STREAM (16; all 32 with
+PAGEDRAG_STREAM=full), whose top-5 retrieved sets overlap.
 
 The canonical node order must at least double the prefix-cache hit rate, and the answers
 must equal those of the same prompts run with prefix caching off (greedy decoding).
@@ -12,7 +13,7 @@ import asyncio
 import pytest
 from llama_index.core import Settings
 from llama_index.llms.pagedrag import PAGEDRAG_QA_TEMPLATE, PagedRAG, canonical_query_engine_kwargs
-from testing_support import ENGINE_KWARGS, MAX_TOKENS, NO_CACHE_ENGINE_KWARGS, RAG_QUERIES, TOP_K, hit_rate
+from testing_support import ENGINE_KWARGS, MAX_TOKENS, NO_CACHE_ENGINE_KWARGS, RAG_STREAM, TOP_K, hit_rate
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def hit_rate_of_run(index, llm: PagedRAG, **query_engine_kwargs) -> float:
     llm.client.reset_prefix_cache()
     before = llm.stats()
     engine = index.as_query_engine(similarity_top_k=TOP_K, **query_engine_kwargs)
-    for query in RAG_QUERIES:
+    for query in RAG_STREAM:
         engine.query(query)
     return hit_rate(before, llm.stats())
 
@@ -47,7 +48,7 @@ def test_canonical_order_doubles_the_hit_rate_and_keeps_the_answers(index, llm, 
     assert canonical >= 2 * retriever_order
 
     chats = list(recorder.chats)
-    assert len(chats) == len(RAG_QUERIES)
+    assert len(chats) == len(RAG_STREAM)
     reference = PagedRAG(engine_kwargs=NO_CACHE_ENGINE_KWARGS, max_tokens=MAX_TOKENS)
 
     async def answer_all():  # submitted together: one engine batch
@@ -63,5 +64,5 @@ def test_llamaindex_default_templates_with_the_canonical_order(index, llm):
     the canonical node order works with it too."""
     postprocessors = canonical_query_engine_kwargs()["node_postprocessors"]
     engine = index.as_query_engine(llm=llm, similarity_top_k=TOP_K, node_postprocessors=postprocessors)
-    response = engine.query(RAG_QUERIES[0])
+    response = engine.query(RAG_STREAM[0])
     assert response.response and len(response.source_nodes) == TOP_K

@@ -12,7 +12,7 @@ import torch
 from pagedrag.config import GIB_BYTES
 from pagedrag.core.block_pool import blocks_for
 from pagedrag.core.kv_cache_manager import SwapPlan
-from pagedrag.worker.transfer import host_to_device
+from pagedrag.worker.transfer import device_to_host, host_to_device
 
 logger = logging.getLogger("pagedrag")
 
@@ -59,6 +59,27 @@ class KVCacheTensors:
         self.device_layers = _layers(self.device_pool)
         pin = device.type == "cuda"
         self.cpu_layers = _layers(_allocate(shape, num_cpu_blocks, torch.device("cpu"), pin))
+
+    def gather_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying blocks to the host, each block's layers contiguous: (a host tensor
+        [n, layers, 2, block_size, kv_heads, head_dim], an event to wait on before reading it).
+        On CUDA the gather runs on the device and crosses in one copy (the KV tiers' writes:
+        one large transfer moves ~30x faster than one per layer and block)."""
+        ids = host_to_device(block_ids, torch.int64, self.device_pool.device)
+        gathered = self.device_pool.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+        return device_to_host(gathered)
+
+    def load_blocks(self, loads: list[tuple[int, torch.Tensor]]) -> None:
+        """Write blocks' K/V (host tensors [layers, 2, block_size, kv_heads, head_dim]) into the
+        pool, in one copy to the device."""
+        if not loads:
+            return
+        device = self.device_pool.device
+        ids = host_to_device([block_id for block_id, _ in loads], torch.int64, device)
+        stacked = torch.stack([kv for _, kv in loads], dim=2)  # [layers, 2, n, ...]
+        if device.type == "cuda":
+            stacked = stacked.pin_memory()
+        self.device_pool.index_copy_(2, ids, stacked.to(device, non_blocking=True))
 
     def apply(self, copies: list[tuple[int, int]], swaps: SwapPlan) -> None:
         """Run a step's block moves: swap-outs, then swap-ins, then copy-on-write copies."""

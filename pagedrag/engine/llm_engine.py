@@ -9,6 +9,7 @@ turns sampled tokens into outputs (stops, text, metrics).
 from __future__ import annotations
 
 import functools
+from concurrent.futures import Future
 import itertools
 import logging
 import time
@@ -104,8 +105,16 @@ class LLMEngine:
 
     def flush_tiers(self) -> None:
         """Wait until every block computed so far is in the KV tiers (host memory, disk)."""
-        if self.tiers is not None:
-            self.tiers.flush()
+        self.tiers_written().result()
+
+    def tiers_written(self) -> Future:
+        """A future that completes once the KV tiers hold every block computed so far (done at
+        once without tiers): wait on it off the engine's thread."""
+        if self.tiers is None:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        return self.tiers.written()
 
     # ---- requests -----------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType | ProcessedPrompt,
@@ -346,6 +355,8 @@ class LLMEngine:
         self._observe_pool()
         self.metrics.preemptions.inc(len(step.preempted))
         self.metrics.observe_cache(self._cache_totals())
+        if self.tiers is not None:
+            self.metrics.observe_tiers(self.tiers.snapshot())
         if self.stats_log is not None:
             self.stats_log.maybe_log(self.stats())
 

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -56,8 +56,7 @@ class KVTiers:
         self.cost = cost
         self.stats = TierStats()
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedrag-kv-read")
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrag-kv-write")
-        self._writes: list[Future] = []
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrag-kv-write")  # FIFO
 
     @property
     def enabled(self) -> bool:
@@ -98,12 +97,16 @@ class KVTiers:
               ready: torch.cuda.Event | None) -> None:
         """Offer blocks to every tier: ``entries[i]`` is (block hash, token ids) of ``kv[i]``, a
         host tensor [n, layers, 2, block_size, kv_heads, head_dim], complete once ``ready`` fired."""
-        if not entries or not self.enabled:
-            return
-        self._writes = [future for future in self._writes if not future.done()]
-        self._writes.append(self._writer.submit(self._write, list(entries), kv, ready))
+        if entries and self.enabled:
+            self._writer.submit(self._write, list(entries), kv, ready)
 
     def _write(self, entries, kv: torch.Tensor, ready) -> None:
+        try:
+            self._write_all(entries, kv, ready)
+        except Exception:  # a store's own errors turn it off; anything else must not stop the writer
+            logger.exception("kv tiers: a write failed")
+
+    def _write_all(self, entries, kv: torch.Tensor, ready) -> None:
         start = time.perf_counter()
         if ready is not None:
             ready.synchronize()
@@ -117,17 +120,13 @@ class KVTiers:
             if store.name != "host":
                 self.stats.moved(f"host_to_{store.name}", num_bytes, time.perf_counter() - start)
 
-    def flush(self) -> None:
-        """Wait until every write handed over so far is in the tiers."""
-        wait(self._writes)
-        for future in self._writes:
-            error = future.exception()
-            if error is not None:
-                logger.warning("kv tiers: a write failed: %r", error)
-        self._writes = []
+    def written(self) -> Future:
+        """A future that completes once every write handed over so far is in the tiers (the
+        writer is one thread, first in first out)."""
+        return self._writer.submit(lambda: None)
 
     def close(self) -> None:
-        self.flush()
+        self.written().result()
         self._readers.shutdown(wait=True)
         self._writer.shutdown(wait=True)
 

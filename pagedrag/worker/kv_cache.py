@@ -3,6 +3,7 @@ same shapes in CPU swap space, and the sizing of both from memory budgets."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from types import ModuleType
@@ -70,16 +71,22 @@ class KVCacheTensors:
         return device_to_host(gathered)
 
     def load_blocks(self, loads: list[tuple[int, torch.Tensor]]) -> None:
-        """Write blocks' K/V (host tensors [layers, 2, block_size, kv_heads, head_dim]) into the
-        pool, in one copy to the device."""
+        """Write blocks' K/V (host tensors [layers, 2, block_size, kv_heads, head_dim], pinned on
+        CUDA) into the pool: each block crosses whole (all its layers in one copy, on a stream of
+        its own on CUDA, so the copies overlap the work already queued), then one scatter on the
+        device puts them in place before the next forward pass."""
         if not loads:
             return
         device = self.device_pool.device
         ids = host_to_device([block_id for block_id, _ in loads], torch.int64, device)
-        stacked = torch.stack([kv for _, kv in loads], dim=2)  # [layers, 2, n, ...]
-        if device.type == "cuda":
-            stacked = stacked.pin_memory()
-        self.device_pool.index_copy_(2, ids, stacked.to(device, non_blocking=True))
+        staging = torch.empty((len(loads), *loads[0][1].shape), dtype=self.shape.dtype, device=device)
+        with _copy_stream(device) as stream:
+            for row, (_, kv) in zip(staging, loads):
+                row.copy_(kv, non_blocking=True)
+        if stream is not None:
+            torch.cuda.current_stream(device).wait_stream(stream)
+            staging.record_stream(torch.cuda.current_stream(device))
+        self.device_pool.index_copy_(2, ids, staging.permute(1, 2, 0, 3, 4, 5))
 
     def apply(self, copies: list[tuple[int, int]], swaps: SwapPlan) -> None:
         """Run a step's block moves: swap-outs, then swap-ins, then copy-on-write copies."""
@@ -97,6 +104,18 @@ class KVCacheTensors:
         for (src_k, src_v), (dst_k, dst_v) in zip(sources, destinations):
             self.ops.swap_blocks(src_k, dst_k, mapping)
             self.ops.swap_blocks(src_v, dst_v, mapping)
+
+
+@contextlib.contextmanager
+def _copy_stream(device: torch.device):
+    """A side CUDA stream (after the work queued so far) for host-to-device copies; None on CPU."""
+    if device.type != "cuda":
+        yield None
+        return
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield stream
 
 
 def available_cpu_memory() -> int:

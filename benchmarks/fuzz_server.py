@@ -51,7 +51,7 @@ from hypothesis.errors import Unsatisfiable
 
 MODEL = "smol"
 ENGINE_ARGS = dict(max_model_len=256, num_gpu_blocks_override=96, max_num_seqs=16)
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, WARM = "/v1/completions", "/v1/chat/completions", "/v1/warm"
 MAX_GEN_TOKENS = 4  # valid generated bodies generate at most this many tokens per sequence
 REQUEST_TIMEOUT_S = 60.0
 DECLARED_5XX = frozenset({(503, "queue_full")})  # (status, error code) a client may be told
@@ -278,6 +278,28 @@ HOSTILE_CASES = (
     HostileCase("tool_choice=required,n=3", CHAT,
                 _chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required", n=3,
                       max_tokens=40), CLEAN),
+    # pagedrag's POST /v1/warm: checked as completions and chats are, counted against the queue
+    HostileCase("warm=prompt_and_conversations", WARM, {"prompt": "x", "conversations": [_chat()["messages"]]}, BAD),
+    HostileCase("warm=nothing", WARM, {"cache_salt": "x"}, BAD),
+    HostileCase("warm=prompt_bools", WARM, {"prompt": [True, False]}, BAD),
+    HostileCase("warm=token_ids=2**40", WARM, {"prompt": [[1, 2**40]]}, BAD),
+    HostileCase("warm=prompt_chunks_on_token_prompt", WARM, {"prompt": [1, 2, 3], "prompt_chunks": ["x"]}, BAD),
+    HostileCase("warm=prompt_segments_and_prompt", WARM, {"prompt": "x", "prompt_segments": ["a"]}, BAD),
+    HostileCase("warm=conversation_role_unknown", WARM, {"conversations": [_chat(role="wizard")["messages"]]}, BAD),
+    HostileCase("warm=conversations_not_lists", WARM, {"conversations": ["hi", {"role": "user"}]}, BAD),
+    HostileCase("warm=conversation_empty", WARM, {"conversations": [[]]}, BAD),
+    HostileCase("warm=prompts=2000", WARM, lambda: {"prompt": ["x"] * 2000}, BAD, max_seconds=QUICK_S),
+    HostileCase("warm=conversations=10k", WARM, lambda: {"conversations": [_chat()["messages"]] * 10_000}, BAD,
+                max_seconds=QUICK_S),
+    HostileCase("warm=prompt_chunks=10k", WARM, lambda: {"prompt": "x", "prompt_chunks": ["x"] * 10_000}, BAD,
+                max_seconds=QUICK_S),
+    HostileCase("warm=prompt_over_max_model_len", WARM, lambda: {"prompt": "hello " * 100_000}, BAD,
+                max_seconds=QUICK_S),
+    HostileCase("warm=prompt=20MB", WARM, lambda: {"prompt": "x" * 20_000_000}, TOO_LARGE),
+    HostileCase("warm=model_unknown", WARM, {"model": "SMOL", "prompt": "x"}, frozenset({404})),
+    HostileCase("warm=cache_salt=lone_surrogate", WARM, {"prompt": "Hello", "cache_salt": "\ud800"}, CLEAN),
+    HostileCase("warm=prompts=256", WARM, lambda: {"prompt": [f"{i} warm" for i in range(256)]},
+                frozenset({200, 503})),
 )
 HOSTILE_BY_NAME = {case.name: case for case in HOSTILE_CASES}
 
@@ -297,7 +319,7 @@ def check_hostile(case: HostileCase, outcome: Outcome, client: httpx.Client) -> 
     if outcome.status is not None and 400 <= outcome.status < 500 and not (outcome.error() or {}).get("message"):
         problems.append(f"{case.name}: a {outcome.status} without an OpenAI error body: {outcome.body[:300]}")
     if outcome.status == 200:
-        problems += _check_answer(case, outcome, client)
+        problems += _check_warm(case, outcome) if case.path == WARM else _check_answer(case, outcome, client)
     if case.max_seconds is not None and outcome.seconds > case.max_seconds:
         problems.append(f"{case.name}: answered in {outcome.seconds:.1f} s, over {case.max_seconds} s")
     return problems
@@ -311,6 +333,16 @@ def _check_answer(case: HostileCase, outcome: Outcome, client: httpx.Client) -> 
         reference = send(client, FuzzRequest.post("reference", case.path, case.same_as))
         if reference.choice_texts() != texts:
             return [f"{case.name}: answered {texts}, but {case.same_as} answers {reference.describe()}"]
+    return []
+
+
+def _check_warm(case: HostileCase, outcome: Outcome) -> list[str]:
+    """A warm-up's 200: one ``{"object": "warm", ...}`` counting every prompt it was sent."""
+    answer, body = (outcome.payloads() or [{}])[0], case.payload()
+    prompts = body.get("conversations") or body.get("prompt")
+    wanted = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) else 1
+    if not isinstance(answer, dict) or answer.get("object") != "warm" or answer.get("prompts") != wanted:
+        return [f"{case.name}: a 200 that is not a warm-up of {wanted} prompts: {outcome.body[:300]}"]
     return []
 
 

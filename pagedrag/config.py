@@ -79,6 +79,13 @@ class EngineArgs:
     preemption_mode: str = _arg("recompute", "what a full pool does to the newest request: recompute "
                                              "(free its blocks) or swap (copy them to CPU memory)")
     swap_space: float = _arg(4.0, "GiB of CPU memory for swapped-out blocks (preemption_mode=swap)")
+    kv_offloading_size: float = _arg(0.0, "GiB of host memory (pinned, on CUDA) for a KV tier under the pool "
+                                          "that keeps blocks the pool lets go; 0: none (on CPU the pool is "
+                                          "host memory already: a bigger pool does the same)")
+    kv_disk_path: str | None = _arg(None, "a directory for a KV tier on disk: blocks kept across restarts "
+                                          "and shared by every engine of the same model that uses it")
+    kv_disk_size: float = _arg(16.0, "GiB the disk tier may take in kv_disk_path (least recently used "
+                                     "blocks go first, whichever engine wrote them)")
     enforce_eager: bool = _arg(False, "no CUDA graphs (debugging)")
     async_scheduling: bool | None = _arg(None, "launch step N+1 before reading step N's tokens; default: "
                                                "on for CUDA, off for CPU")
@@ -98,6 +105,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.model is not None:
             self.model = os.fspath(self.model)
+        if isinstance(self.kv_disk_path, os.PathLike):
+            self.kv_disk_path = os.fspath(self.kv_disk_path)
         self._validate()
 
     def _validate(self) -> None:
@@ -122,6 +131,17 @@ class EngineArgs:
             (self.enable_prefix_caching or not self.enable_chunk_reuse,
              "enable_chunk_reuse needs enable_prefix_caching: reused chunks live in the prefix cache's pool"),
             (self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}"),
+            (_is_real(self.kv_offloading_size) and self.kv_offloading_size >= 0,
+             f"kv_offloading_size must be a non-negative number of GiB, got {self.kv_offloading_size!r}"),
+            (_is_real(self.kv_disk_size) and self.kv_disk_size > 0,
+             f"kv_disk_size must be a positive number of GiB, got {self.kv_disk_size!r}"),
+            (self.kv_disk_path is None or isinstance(self.kv_disk_path, (str, os.PathLike)),
+             f"kv_disk_path must be a directory path, got {self.kv_disk_path!r}"),
+            (self.enable_prefix_caching or not self.uses_kv_tiers,
+             "kv_offloading_size / kv_disk_path need enable_prefix_caching: the tiers hold prefix-cache blocks"),
+            (self.tensor_parallel_size == 1 or not self.uses_kv_tiers,
+             f"KV tiers (kv_offloading_size / kv_disk_path) run on one rank; tensor_parallel_size="
+             f"{self.tensor_parallel_size} cannot use them yet"),
             (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
              f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
@@ -150,6 +170,10 @@ class EngineArgs:
             if not ok:
                 raise ValueError(message)
         check_quantization(self.quantization)
+
+    @property
+    def uses_kv_tiers(self) -> bool:
+        return bool(self.kv_offloading_size) or self.kv_disk_path is not None
 
     @classmethod
     def field_names(cls) -> set[str]:

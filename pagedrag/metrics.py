@@ -59,6 +59,7 @@ class EngineMetrics:
         self.decode_time = self._histogram("request_decode_time_seconds", "First token to finish.",
                                            _REQUEST_BUCKETS)
         self.num_prompt_tokens = self.num_generation_tokens = 0  # totals, for stats()
+        self._tiers = TierMetrics(self.registry, prefix, model_name)
         self._success = Counter(f"{prefix}:request_success", "Requests finished, by finished_reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
 
@@ -75,6 +76,10 @@ class EngineMetrics:
         for name, total in totals.items():
             self._cache_counters[name].inc(total - self._reported[name])
             self._reported[name] = total
+
+    def observe_tiers(self, snapshot: dict) -> None:
+        """The KV tiers' figures (kv_tiers.KVTiers.snapshot), after every step."""
+        self._tiers.observe(snapshot)
 
     def observe_prompt(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)
@@ -112,3 +117,47 @@ class EngineMetrics:
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
         return Histogram(f"{self._prefix}:{name}", doc, ["model_name"], buckets=buckets,
                          registry=self.registry).labels(self._model)
+
+
+class TierMetrics:
+    """The KV tiers' series, with vLLM's names where it has them: kv_offload_total_bytes and
+    kv_offload_total_time by transfer_type, external_prefix_cache_queries / _hits (tokens
+    looked up below the pool, and found there); then pagedrag's: tokens served by each tier,
+    each tier's use and capacity in bytes, and the files it dropped as corrupt."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, model_name: str):
+        def series(kind, name, doc, labels=()):
+            return kind(f"{prefix}:{name}", doc, ["model_name", *labels], registry=registry)
+
+        self._model = model_name
+        self._bytes = series(Counter, "kv_offload_total_bytes", "Bytes moved by the KV tiers.", ["transfer_type"])
+        self._time = series(Counter, "kv_offload_total_time", "Seconds spent moving KV tier bytes (host side).",
+                            ["transfer_type"])
+        self._queries = series(Counter, "external_prefix_cache_queries", "Prompt tokens looked up below the pool.")
+        self._hits = series(Counter, "external_prefix_cache_hits", "Prompt tokens found below the pool.")
+        self._served = series(Counter, "kv_tier_hit_tokens", "Prompt tokens served by each KV tier.", ["tier"])
+        self._dropped = series(Counter, "kv_tier_dropped_files", "Stored blocks dropped as corrupt or foreign.",
+                               ["tier"])
+        self._used = series(Gauge, "kv_tier_usage_bytes", "Bytes each KV tier holds.", ["tier"])
+        self._capacity = series(Gauge, "kv_tier_capacity_bytes", "Bytes each KV tier may hold.", ["tier"])
+        self._reported: dict[tuple, float] = {}
+
+    def observe(self, snapshot: dict) -> None:
+        for transfer, value in snapshot["bytes"].items():
+            self._advance(self._bytes, value, transfer_type=transfer)
+        for transfer, value in snapshot["seconds"].items():
+            self._advance(self._time, value, transfer_type=transfer)
+        self._advance(self._queries, snapshot["external_prefix_cache_queries"])
+        self._advance(self._hits, snapshot["external_prefix_cache_hits"])
+        for tier, value in snapshot["hit_tokens"].items():
+            self._advance(self._served, value, tier=tier)
+        for tier, figures in snapshot["tiers"].items():
+            self._advance(self._dropped, figures["dropped_files"], tier=tier)
+            self._used.labels(model_name=self._model, tier=tier).set(figures["used_bytes"])
+            self._capacity.labels(model_name=self._model, tier=tier).set(figures["capacity_bytes"])
+
+    def _advance(self, counter: Counter, total: float, **labels) -> None:
+        """Move a counter to a running total (the tiers keep totals; counters only go up)."""
+        key = (id(counter), *sorted(labels.items()))
+        counter.labels(model_name=self._model, **labels).inc(max(total - self._reported.get(key, 0), 0))
+        self._reported[key] = max(total, self._reported.get(key, 0))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,5 +67,7 @@ class RequestOutput:
     error: str | None = None
     num_chunk_hit_tokens: int = 0  # prompt tokens whose KV came from the chunk cache (chunk reuse)
     num_recomputed_tokens: int = 0  # tokens of reused chunks computed again
+    # of the cached and chunk-hit tokens, those loaded from each KV tier (host, disk)
+    num_tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     # with SamplingParams(prompt_logprobs=k): per prompt token (None for the first), as vLLM's
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

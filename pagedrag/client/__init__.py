@@ -1,7 +1,8 @@
 """The engine client that the LlamaIndex and LangChain integrations share.
 
 One interface (``types.EngineClient``: sync, async and streaming forms of completion and
-chat, results as ``Generation``) over two back ends, chosen by ``connect``:
+chat, results as ``Generation``; warm-ups, ``warm`` / ``awarm``) over two back ends, chosen by
+``connect``:
 
 - ``inprocess``: an AsyncLLMEngine shared by every client of the same engine arguments;
 - ``remote``: a ``pagedrag serve`` through the official openai SDK.
@@ -22,12 +23,12 @@ from pagedrag.client.bridge import iterate_sync, run_sync
 from pagedrag.client.inprocess import InProcessClient, SharedEngine, engine_args, shared_engine
 from pagedrag.client.remote import RemoteClient, RemoteError
 from pagedrag.client.types import (DEFAULT_MODEL_NAME, EngineClient, EngineInfo, Generation, Messages, Prompt,
-                                   TokenLogprob, ToolRequest)
+                                   TokenLogprob, ToolRequest, WarmSummary)
 from pagedrag.tools import ToolCall
 
-__all__ = ["DEFAULT_MODEL_NAME", "EngineClient", "EngineInfo", "Generation", "InProcessClient", "Messages",
-           "Prompt", "RemoteClient", "RemoteError", "SharedEngine", "TokenLogprob", "ToolCall", "ToolRequest", "check_connection", "connect",
-           "engine_args", "iterate_sync", "run_sync", "shared_engine"]
+__all__ = ["DEFAULT_MODEL_NAME", "EngineClient", "EngineInfo", "Generation", "InProcessClient", "Messages", "Prompt",
+           "RemoteClient", "RemoteError", "SharedEngine", "TokenLogprob", "ToolCall", "ToolRequest", "WarmSummary",
+           "check_connection", "connect", "engine_args", "iterate_sync", "run_sync", "shared_engine"]
 _ENGINE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineArgs)}
 
 

@@ -17,7 +17,8 @@ from pagedrag.engine.inputs import ProcessedPrompt
 from pagedrag.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.client.bridge import run_sync
-from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, TokenLogprob, ToolRequest
+from pagedrag.client.types import (WARM_PARAMS, EngineClient, EngineInfo, Generation, Prompt, TokenLogprob,
+                                   ToolRequest, WarmSummary)
 from pagedrag.tools import ToolCallSplitter, ToolParser, ToolPlan, whole_choice
 
 _Submission = tuple[ProcessedPrompt, SamplingParams, "asyncio.Future[RequestStream]"]
@@ -142,6 +143,13 @@ class InProcessClient(EngineClient):
                     yield _piece(delta, output, params.logprobs, splitter)
         finally:
             await stream.aclose()
+
+    async def _warm(self, prompts: list[Prompt], cache_salt: str | None,
+                    chunks: tuple[str, ...] | None) -> WarmSummary:
+        """The prompts as one engine batch, then the tiers' writes waited for on the engine thread."""
+        generations = await self._generate_all(prompts, WARM_PARAMS, cache_salt, chunks)
+        await self.shared.engine.flush_tiers()
+        return WarmSummary.of(generations)
 
     async def astats(self) -> dict[str, Any]:
         return await self.shared.engine.stats()

@@ -9,7 +9,8 @@ errors; here they become what the in-process client raises: ValueError for bad i
 (400), RemoteError for anything else. vLLM's extras (cache_salt, top_k, ...) travel in
 ``extra_body``, each only where it differs from SamplingParams' default (the server's
 defaults mean the same); ``n`` and ``logprobs`` are named as each route names them; the
-engine's counters come from the server's JSON ``/v1/stats``.
+engine's counters come from the server's JSON ``/v1/stats``, a warm-up goes to pagedrag's
+``/v1/warm``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import httpx
 import openai
 
 from pagedrag.sampling_params import SamplingParams
-from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, TokenLogprob, ToolRequest
+from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, TokenLogprob, ToolRequest, WarmSummary
 from pagedrag.tools import ToolCall
 
 # SamplingParams fields that the SDK's create() names, always sent; the others are extras
@@ -98,6 +99,26 @@ class RemoteClient(EngineClient):
         empty = None if params.logprobs is None else ()
         yield _with_usage(Generation("", finish_reason, logprobs=empty, tool_calls=calls.whole()), usage)
 
+    async def _warm(self, prompts: list[Prompt], cache_salt: str | None,
+                    chunks: tuple[str, ...] | None) -> WarmSummary:
+        """One POST /v1/warm for the texts and one for the conversations (the route takes one
+        kind a call), their figures added up."""
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        conversations = [prompt for prompt in prompts if not isinstance(prompt, str)]
+        model = await self._model_name()
+        summaries = [await self._post_warm({"model": model, field: batch, **_salt_and_chunks(cache_salt, chunks)})
+                     for field, batch in (("prompt", texts), ("conversations", conversations)) if batch]
+        return sum(summaries, WarmSummary())
+
+    async def _post_warm(self, body: dict[str, Any]) -> WarmSummary:
+        with _translated_errors():
+            answer = (await self._openai().post("warm", body=body, cast_to=httpx.Response)).json()
+        return WarmSummary(answer["prompts"], answer["prompt_tokens"], answer["cached_tokens"])
+
+    async def _model_name(self) -> str:
+        """The model a request names: the client's, else the first one the server serves."""
+        return self.model if self.model is not None else (await self.ainfo()).model_name
+
     async def astats(self) -> dict[str, Any]:
         with _translated_errors():
             # the raw response, then its JSON: a bare ``dict`` cast fails in openai 2.x
@@ -115,8 +136,7 @@ class RemoteClient(EngineClient):
     async def _create(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None, stream: bool,
                       tools: ToolRequest | None = None, chunks: tuple[str, ...] | None = None):
         """A completion (text) or chat (messages) request through the SDK."""
-        model = self.model if self.model is not None else (await self.ainfo()).model_name
-        options = {"model": model, "stream": stream, **_sampling_body(params, cache_salt, chunks),
+        options = {"model": await self._model_name(), "stream": stream, **_sampling_body(params, cache_salt, chunks),
                    **_logprobs_body(params.logprobs, completion=isinstance(prompt, str))}
         if stream:
             options["stream_options"] = {"include_usage": True}
@@ -144,11 +164,14 @@ def _sampling_body(params: SamplingParams, cache_salt: str | None,
     fields = dataclasses.asdict(params)
     extras = {name: value for name, value in fields.items()
               if name not in _OPENAI_FIELDS and name not in _ROUTE_FIELDS and value != _DEFAULTS[name]}
-    if cache_salt is not None:
-        extras["cache_salt"] = cache_salt
-    if chunks is not None:
-        extras["prompt_chunks"] = list(chunks)
-    return {**{name: fields[name] for name in _OPENAI_FIELDS}, "extra_body": extras}
+    return {**{name: fields[name] for name in _OPENAI_FIELDS},
+            "extra_body": {**extras, **_salt_and_chunks(cache_salt, chunks)}}
+
+
+def _salt_and_chunks(cache_salt: str | None, chunks: tuple[str, ...] | None) -> dict[str, Any]:
+    """The request's cache_salt and chunks (pagedrag's prompt_chunks), those that were given."""
+    extras = {"cache_salt": cache_salt, "prompt_chunks": None if chunks is None else list(chunks)}
+    return {name: value for name, value in extras.items() if value is not None}
 
 
 def _tools_body(tools: ToolRequest | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """What the integrations call: the EngineClient interface and its result types.
 
-A back end (in process, remote) implements four async primitives; the checked, completion,
+A back end (in process, remote) implements five async primitives; the checked, completion,
 chat, batch and synchronous forms are derived here once, so that both back ends behave alike.
 A text prompt is a completion, a list of ``{"role", "content"}`` messages a chat, checked
 by ``pagedrag.engine.inputs.check_conversation`` (the one rule, the engine's own). With
@@ -137,6 +137,31 @@ class ToolRequest:
 
 
 @dataclass(frozen=True)
+class WarmSummary:
+    """What a warm-up did: the ``prompts`` it ran, their ``prompt_tokens``, and ``cached_tokens``,
+    those of them whose KV was cached already (prefix-cache and tier hits, and with chunk reuse
+    chunk hits): ``LLM.warm``'s and POST /v1/warm's figures."""
+
+    prompts: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, generations: Sequence[Generation]) -> "WarmSummary":
+        return cls(len(generations), sum(g.prompt_tokens for g in generations),
+                   sum(g.cached_tokens + g.chunk_cache_hits for g in generations))
+
+    def __add__(self, other: "WarmSummary") -> "WarmSummary":
+        """Two warm-ups' figures together (``sum(summaries, WarmSummary())``)."""
+        return WarmSummary(self.prompts + other.prompts, self.prompt_tokens + other.prompt_tokens,
+                           self.cached_tokens + other.cached_tokens)
+
+
+WARM_PARAMS = SamplingParams(temperature=0, max_tokens=1)
+"""A warm-up's one greedy token, thrown away (the prompt's last token is computed anyway)."""
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What an engine serves: the model's name and its context window in tokens."""
 
@@ -153,7 +178,7 @@ def check_single(params: SamplingParams, call: str = "complete() / chat()") -> N
 
 
 class EngineClient(ABC):
-    """What the integrations call. Back ends implement ``_generate``, ``_stream``,
+    """What the integrations call. Back ends implement ``_generate``, ``_stream``, ``_warm``,
     ``astats`` and ``ainfo``; the checked, completion, chat, batch and synchronous forms
     are derived here.
 
@@ -175,6 +200,12 @@ class EngineClient(ABC):
                 tools: ToolRequest | None = None, chunks: tuple[str, ...] | None = None) -> AsyncIterator[Generation]:
         """The one completion (n == 1) of a checked prompt as it is generated (see
         ``Generation`` for the pieces). Closing the iterator early aborts the request."""
+
+    @abstractmethod
+    async def _warm(self, prompts: list[Prompt], cache_salt: str | None,
+                    chunks: tuple[str, ...] | None) -> WarmSummary:
+        """Run the checked prompts with WARM_PARAMS, then wait until the engine's KV tiers
+        hold their blocks."""
 
     @abstractmethod
     async def astats(self) -> dict[str, Any]:
@@ -232,12 +263,29 @@ class EngineClient(ABC):
                      cache_salt: str | None = None) -> list[Generation]:
         """All prompts submitted at once (one engine batch), results (all n completions
         each) in their order. Every prompt is checked before any is submitted."""
-        checked = [_checked(prompt) for prompt in prompts]
-        tasks = [asyncio.ensure_future(self._generate(prompt, params, cache_salt)) for prompt in checked]
+        return await self._generate_all([_checked(prompt) for prompt in prompts], params, cache_salt)
+
+    async def awarm(self, prompts: Prompt | Sequence[Prompt], cache_salt: str | None = None,
+                    chunks: Sequence[str] | None = None) -> WarmSummary:
+        """Compute and store the KV of ``prompts`` (a text, or a sequence of texts and
+        conversations; every one checked before any is submitted) without generating, so that
+        later requests sharing them hit the cache, and with KV tiers find them after a restart
+        or in another engine on the same disk tier. ``chunks``: the retrieved chunks' texts
+        these prompts hold (with chunk reuse, each one's KV is stored for reuse at any position).
+        Returns once the engine's tiers hold every block."""
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        return await self._warm([_checked(prompt) for prompt in prompts], cache_salt, _chunks(chunks))
+
+    async def _generate_all(self, checked: Sequence[Prompt], params: SamplingParams, cache_salt: str | None,
+                            chunks: tuple[str, ...] | None = None) -> list[Generation]:
+        """The checked prompts submitted at once (one engine batch), results in their order;
+        if one fails (or the caller gives up), the others are aborted."""
+        tasks = [asyncio.ensure_future(self._generate(prompt, params, cache_salt, None, chunks))
+                 for prompt in checked]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
-            for task in tasks:  # one failed (or the caller gave up): abort the others
+            for task in tasks:
                 task.cancel()
             raise
 
@@ -271,6 +319,11 @@ class EngineClient(ABC):
     def batch(self, prompts: Sequence[Prompt], params: SamplingParams,
               cache_salt: str | None = None) -> list[Generation]:
         return run_sync(self.abatch(prompts, params, cache_salt))
+
+    def warm(self, prompts: Prompt | Sequence[Prompt], cache_salt: str | None = None,
+             chunks: Sequence[str] | None = None) -> WarmSummary:
+        """``awarm``, synchronously."""
+        return run_sync(self.awarm(prompts, cache_salt, chunks))
 
     def stats(self) -> dict[str, Any]:
         return run_sync(self.astats())

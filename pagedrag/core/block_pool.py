@@ -47,6 +47,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.record_newly_cached = False  # set when KV tiers take every newly cached block
+        self._newly_cached: list[KVBlock] = []
 
     # ---- accounting -------------------------------------------------------
     @property
@@ -100,13 +102,26 @@ class BlockPool:
             return None
         return block
 
-    def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Make a full, computed block findable by its hash (first writer wins)."""
+    def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int],
+              offer_to_tiers: bool = True) -> None:
+        """Make a full, computed block findable by its hash (first writer wins). With
+        ``record_newly_cached``, the block is also kept for ``take_newly_cached`` (unless it
+        came from a tier: ``offer_to_tiers`` False)."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
             return
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+        if self.record_newly_cached and offer_to_tiers:
+            self._newly_cached.append(block)
+
+    def take_newly_cached(self) -> list[tuple[int, BlockHash, tuple[int, ...]]]:
+        """(block id, hash, token ids) of the blocks cached since the last call that still hold
+        that hash; call before the pool hands out blocks again (the end of a step)."""
+        taken = [(block.block_id, block.block_hash, block.token_ids) for block in self._newly_cached
+                 if block.block_hash is not None]
+        self._newly_cached = []
+        return taken
 
     def num_cached(self) -> int:
         return len(self._cached)

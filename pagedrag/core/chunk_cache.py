@@ -151,18 +151,23 @@ class ChunkCache:
             return 0
         return self.recompute_count(segment.end - segment.start)
 
-    def _reusable(self, request: Request, index: int) -> bool:
+    def reusable(self, request: Request, index: int) -> bool:
         segment = request.segments[index]
         return (index > 0 and segment.reusable and segment.end < request.num_prompt_tokens
                 and segment.end - segment.start >= self.min_chunk_tokens)
 
-    def lookup(self, request: Request, index: int) -> list[KVBlock] | None:
-        """The cached blocks of segment ``index``, or None unless all of them are cached."""
+    def blocks_of(self, request: Request, index: int):
+        """(block hash, token ids) of each block of segment ``index``'s chunk, the last maybe partial."""
         segment = request.segments[index]
-        blocks = []
         for number, block_hash in enumerate(self._hashes(request, index)):
             start = segment.start + number * self.block_size
-            block = self.pool.lookup(block_hash, request.token_ids[start:min(start + self.block_size, segment.end)])
+            yield block_hash, tuple(request.token_ids[start:min(start + self.block_size, segment.end)])
+
+    def lookup(self, request: Request, index: int) -> list[KVBlock] | None:
+        """The cached blocks of segment ``index``, or None unless all of them are cached."""
+        blocks = []
+        for block_hash, token_ids in self.blocks_of(request, index):
+            block = self.pool.lookup(block_hash, token_ids)
             if block is None:
                 return None
             blocks.append(block)
@@ -175,12 +180,12 @@ class ChunkCache:
         return {self._hashes(request, index)[0]
                 for request in requests for index, segment in enumerate(request.segments)
                 if segment.end > request.num_computed_tokens and index not in request.imported_segments
-                and self._reusable(request, index)}
+                and self.reusable(request, index)}
 
     def waits_for(self, request: Request, num_prefix_tokens: int, pending: set[BlockHash]) -> bool:
         """Whether a chunk of the request past its first ``num_prefix_tokens`` tokens is not
         cached but in ``pending`` (another request computes it now)."""
-        return any(segment.start >= num_prefix_tokens and self._reusable(request, index)
+        return any(segment.start >= num_prefix_tokens and self.reusable(request, index)
                    and self._hashes(request, index)[0] in pending and self.lookup(request, index) is None
                    for index, segment in enumerate(request.segments))
 
@@ -192,7 +197,7 @@ class ChunkCache:
         recompute, imported, num_imported = [], [], 0
         position = num_prefix_tokens
         for index, segment in enumerate(request.segments):
-            if segment.start < num_prefix_tokens or not self._reusable(request, index):
+            if segment.start < num_prefix_tokens or not self.reusable(request, index):
                 continue
             blocks = self.lookup(request, index)
             if blocks is None:
@@ -239,7 +244,7 @@ class ChunkCache:
         not imported, not cached yet) into fresh blocks; none when the pool is short."""
         moves = []
         for index, segment in enumerate(request.segments):
-            if not (begin < segment.end <= end and self._reusable(request, index)) \
+            if not (begin < segment.end <= end and self.reusable(request, index)) \
                     or index in request.imported_segments or self.lookup(request, index) is not None:
                 continue
             length = segment.end - segment.start

@@ -21,6 +21,8 @@ from pagedrag.core.block_hash import BlockHash
 from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 from pagedrag.core.chunk_cache import ChunkCache
 from pagedrag.core.request import Request
+from pagedrag.core.tier_loads import TierLoads
+from pagedrag.kv_tiers.tiers import KVTiers
 
 
 @dataclass
@@ -45,8 +47,10 @@ class SwapPlan:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_cpu_blocks: int = 0, chunk_reuse: tuple[float, str] | None = None):
-        """``chunk_reuse``: (recompute fraction, model id) to reuse chunks (core.chunk_cache)."""
+                 num_cpu_blocks: int = 0, chunk_reuse: tuple[float, str] | None = None,
+                 tiers: KVTiers | None = None):
+        """``chunk_reuse``: (recompute fraction, model id) to reuse chunks (core.chunk_cache);
+        ``tiers``: the KV stores below the pool (core.tier_loads)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -58,6 +62,8 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []
         self.swaps = SwapPlan()
         self.prefix_stats = PrefixCacheStats()
+        self.tier_loads = TierLoads(self.pool, block_size, tiers, self.chunks) if tiers and enable_caching else None
+        self.pool.record_newly_cached = self.tier_loads is not None
 
     # ---- lookup -----------------------------------------------------------
     def computed_blocks(self, request: Request) -> list[KVBlock]:
@@ -175,6 +181,8 @@ class KVCacheManager:
         self.num_offered.pop(request.request_id, None)
         if self.chunks is not None:
             self.chunks.release(request)
+        if self.tier_loads is not None:
+            self.tier_loads.release(request)
         self.pool.free(list(reversed(table)))
         self.cpu_free.extend(self.cpu_tables.pop(request.request_id, []))
 

@@ -82,6 +82,9 @@ class Request:
     chunk_hashes: dict[int, list[BlockHash]] = field(default_factory=dict)  # by segment index
     num_chunk_hit_tokens: int = 0  # prompt tokens whose KV came from the chunk cache (first scheduling)
     num_recomputed_tokens: int = 0  # tokens of imported chunks computed again (first scheduling)
+    # KV tiers (core.tier_loads): looked up below the pool once; prompt tokens loaded from each tier
+    tier_queried: bool = False
+    num_tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def __post_init__(self) -> None:
@@ -135,6 +138,7 @@ class Request:
         child.grammar = None if self.grammar is None else self.grammar.fork()
         child.exact_prefix_len = self.exact_prefix_len
         child.num_chunk_hit_tokens, child.num_recomputed_tokens = self.num_chunk_hit_tokens, self.num_recomputed_tokens
+        child.num_tier_hit_tokens = dict(self.num_tier_hit_tokens)
         child.status = self.status
         child.metrics = RequestMetrics(self.metrics.arrival_time, self.metrics.first_scheduled_time)
         return child

@@ -67,12 +67,13 @@ class ScheduledRequest:
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's plan: the scheduled requests, in the order the model runner packs them;
-    the block copies (copy-on-write) and swaps to apply before the forward pass; the
-    requests preempted to make room."""
+    the block copies (copy-on-write), swaps and KV-tier loads (block id, K/V on the host;
+    core.tier_loads) to apply before the forward pass; the requests preempted to make room."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swaps: SwapPlan = field(default_factory=SwapPlan)
+    tier_loads: list = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -125,6 +126,8 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.kv.tier_loads is not None:  # first: this step's admissions may hit what landed
+            out.tier_loads = self.kv.tier_loads.take_ready()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_swapped(out, budget)
@@ -267,7 +270,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits = self.kv.computed_blocks(request)
-            if self.kv.waits_for(request, len(hits), pending):
+            tiers = self.kv.tier_loads
+            if (tiers is not None and tiers.defers(request, hits)) or self.kv.waits_for(request, len(hits), pending):
                 deferred.append(self.waiting.popleft())
                 continue
             num_scheduled = self._admit(request, hits, budget, out)
@@ -293,6 +297,10 @@ class Scheduler:
                 self.kv.chunks.release(request)
             return 0
         request.num_computed_tokens = num_hit_tokens
+        if self.kv.tier_loads is not None:  # the table holds the loaded blocks now
+            if first_time:
+                request.num_tier_hit_tokens = self.kv.tier_loads.tier_hits_of(request)
+            self.kv.tier_loads.release(request)
         request.exact_prefix_len, request.imported_segments = None, set()
         imports = self.kv.chunks.admit(request, plan, self.kv.tables[request.request_id], first_time) if plan else []
         if first_time:

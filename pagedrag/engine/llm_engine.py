@@ -9,6 +9,7 @@ turns sampled tokens into outputs (stops, text, metrics).
 from __future__ import annotations
 
 import functools
+from concurrent.futures import Future
 import itertools
 import logging
 import time
@@ -27,6 +28,7 @@ from pagedrag.engine.output_processor import (RequestGroup, StopPolicy, mark_fir
                                record_logprobs, record_prompt_logprobs, update_text)
 from pagedrag.outputs import RequestOutput
 from pagedrag.engine.recovery import EngineDeadError, Probation, is_device_failure
+from pagedrag.kv_tiers.build import build_tiers
 from pagedrag.core.request import Request, RequestStatus
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.worker.device_side import build_device_side
@@ -71,8 +73,9 @@ class LLMEngine:
         self.num_blocks = side.num_blocks
         num_cpu_blocks = side.num_cpu_blocks
         chunk_reuse = (args.chunk_recompute_fraction, self.model_name) if args.enable_chunk_reuse else None
+        self.tiers = build_tiers(args, loaded.module, self.shape, self.device)
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks,
-                                 chunk_reuse)
+                                 chunk_reuse, self.tiers)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs,
                                    args.resolved_max_num_batched_tokens(self.max_model_len, self.device),
                                    args.enable_chunked_prefill, args.preemption_mode, self.max_model_len)
@@ -94,8 +97,24 @@ class LLMEngine:
         return cls(args)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done when the engine is dropped)."""
+        """Finish the KV tiers' writes; stop the tensor-parallel workers, if any (also done when
+        the engine is dropped)."""
+        if self.tiers is not None:
+            self.tiers.close()
         self._stop_ranks()
+
+    def flush_tiers(self) -> None:
+        """Wait until every block computed so far is in the KV tiers (host memory, disk)."""
+        self.tiers_written().result()
+
+    def tiers_written(self) -> Future:
+        """A future that completes once the KV tiers hold every block computed so far (done at
+        once without tiers): wait on it off the engine's thread."""
+        if self.tiers is None:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        return self.tiers.written()
 
     # ---- requests -----------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: PromptType | ProcessedPrompt,
@@ -187,11 +206,13 @@ class LLMEngine:
         step's forward pass is launched, and before it samples: sampling depends on them."""
         previous, self._inflight = self._inflight, None
         self._suspects = {seq.group_id for seq in previous.requests} if previous else set()
+        started = time.perf_counter()
         step = schedule()
         self._suspects |= {item.request.group_id for item in step.scheduled}
         self._suspects |= {request.group_id for request in step.preempted}
         logits = self.runner.execute(step, previous)
         self.scheduler.update_after_step(step, self._fail_request)
+        self._offer_to_tiers(step, time.perf_counter() - started)
         for request, first_token, samples in logits.prompt:
             record_prompt_logprobs(request, first_token, samples, self._decode_token)
         touched = self._complete(previous) if previous else set()
@@ -202,6 +223,21 @@ class LLMEngine:
             self._inflight = sampled
         self._observe(step)
         return [self._output(group_id) for group_id in touched if group_id in self.groups]
+
+    def _offer_to_tiers(self, step: SchedulerOutput, seconds: float) -> None:
+        """Hand the blocks this step completed to the KV tiers (write-through: a restarted or a
+        second engine finds them), and time the step for the tiers' cost model. With nothing
+        to run while loads are in flight, wait a little for one to land instead of spinning."""
+        if self.tiers is None:
+            return
+        self.tiers.cost.observe_prefill(step.num_tokens, seconds)
+        self.tiers.stats.moved("host_to_device", sum(kv.numel() * kv.element_size() for _, kv in step.tier_loads), 0.0)
+        blocks = self.kv.pool.take_newly_cached()
+        if blocks:
+            kv, ready = self.runner.cache.gather_blocks([block_id for block_id, _, _ in blocks])
+            self.tiers.write([(block_hash, token_ids) for _, block_hash, token_ids in blocks], kv, ready)
+        if not step.scheduled and self.kv.tier_loads.num_loading:
+            self.kv.tier_loads.wait_for_any(timeout=0.05)
 
     def _probe(self, group_id: str) -> list[RequestOutput]:
         """One synchronous step of a group on probation, alone; it then rejoins the others."""
@@ -319,6 +355,8 @@ class LLMEngine:
         self._observe_pool()
         self.metrics.preemptions.inc(len(step.preempted))
         self.metrics.observe_cache(self._cache_totals())
+        if self.tiers is not None:
+            self.metrics.observe_tiers(self.tiers.snapshot())
         if self.stats_log is not None:
             self.stats_log.maybe_log(self.stats())
 
@@ -356,6 +394,7 @@ class LLMEngine:
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_requests_swapped": len(self.scheduler.swapped),
+            **({} if self.tiers is None else {"kv_tiers": self.tiers.snapshot()}),
             "max_model_len": self.max_model_len,
             "prompt_tokens": self.metrics.num_prompt_tokens,
             "generation_tokens": self.metrics.num_generation_tokens,

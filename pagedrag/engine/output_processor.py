@@ -43,7 +43,8 @@ class RequestGroup:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
                              self.finished, max(first.num_cached_tokens, 0), first.metrics,
                              prompt_logprobs=first.prompt_logprobs, num_chunk_hit_tokens=first.num_chunk_hit_tokens,
-                             num_recomputed_tokens=first.num_recomputed_tokens)
+                             num_recomputed_tokens=first.num_recomputed_tokens,
+                             num_tier_hit_tokens=dict(first.num_tier_hit_tokens))
 
     def _completion(self, seq: Request) -> CompletionOutput:
         finish = seq.status.value if seq.is_finished else None

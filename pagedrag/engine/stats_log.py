@@ -29,4 +29,16 @@ class StatsLog:
                     (prompt - self._last_prompt) / elapsed, (generated - self._last_generated) / elapsed,
                     stats["num_requests_running"], stats["num_requests_waiting"],
                     100 * stats["kv_cache_usage_perc"], 100 * stats["prefix_cache_hit_rate"])
+        if "kv_tiers" in stats:
+            logger.info("KV tiers: %s", _tiers_line(stats["kv_tiers"]))
         self._last_time, self._last_prompt, self._last_generated = now, prompt, generated
+
+
+def _tiers_line(tiers: dict) -> str:
+    """Each tier's use and the tokens it served, then the external hit rate."""
+    parts = [f"{name} {t['used_bytes'] / (1 << 30):.2f}/{t['capacity_bytes'] / (1 << 30):.2f} GiB "
+             f"({tiers['hit_tokens'].get(name, 0)} tokens served{'' if t['enabled'] else ', off'})"
+             for name, t in tiers["tiers"].items()]
+    queries = tiers["external_prefix_cache_queries"]
+    rate = tiers["external_prefix_cache_hits"] / queries if queries else 0.0
+    return ", ".join(parts) + f", hit rate below the pool: {100 * rate:.1f}%"

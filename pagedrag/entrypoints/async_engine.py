@@ -8,7 +8,8 @@ Outputs travel back through one mailbox per request, posted to the caller's even
 
 Nothing outside this module reaches into the LLMEngine: callers read it through
 AsyncLLMEngine's public surface (``model_info``, ``metrics_registry``, ``get_tokenizer``,
-``get_input_processor``, ``stats``, ``cached_prefix_len``, ``reset_prefix_cache``).
+``get_input_processor``, ``stats``, ``cached_prefix_len``, ``reset_prefix_cache``,
+``flush_tiers``).
 """
 
 from __future__ import annotations
@@ -130,6 +131,14 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (for measurements that start cold)."""
         await self._call(self.engine.reset_prefix_cache)
+
+    async def flush_tiers(self) -> None:
+        """Wait until the KV tiers hold every block computed so far (``LLMEngine.flush_tiers``).
+
+        The engine thread takes a mark in the tiers' queue of writes between two steps (every
+        request whose output the caller has seen has had its blocks handed over by then) and
+        goes on stepping; the caller's event loop awaits the writes up to that mark."""
+        await asyncio.wrap_future(await self._call(self.engine.tiers_written))
 
     # ---- requests (from a running event loop) ---------------------------------------
     def generate(self, prompt: PromptType, params: SamplingParams | None = None,

@@ -79,6 +79,20 @@ class LLM:
         (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), as vLLM's."""
         return self.llm_engine.default_params
 
+    def warm(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True) -> dict[str, int]:
+        """Compute and store the KV of ``prompts`` (texts, token-id dicts, ``prompt_segments`` for
+        chunk reuse; each may carry its ``cache_salt``) so that later requests sharing them hit
+        the cache, and with KV tiers (kv_offloading_size, kv_disk_path) find them after the pool
+        let them go, after a restart, or in another engine on the same disk tier. Returns once
+        the tiers hold every block: the prompts, their prompt tokens and those already cached.
+
+        The answer is one token per prompt, sampled greedily and thrown away: the prompt's last
+        token is computed anyway, as for every request, so the cost is one sampling step."""
+        outputs = self.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm)
+        self.llm_engine.flush_tiers()
+        return {"prompts": len(outputs), "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+                "cached_tokens": sum(o.num_cached_tokens + o.num_chunk_hit_tokens for o in outputs)}
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (for measurements that start cold)."""
         self.llm_engine.reset_prefix_cache()

@@ -1,5 +1,6 @@
-"""The FastAPI app: OpenAI routes, /health, /metrics (the engine's Prometheus registry), and
-/v1/stats (the engine's counters as JSON, behind the API key like every /v1 route)."""
+"""The FastAPI app: OpenAI routes, /health, /metrics (the engine's Prometheus registry),
+/v1/stats (the engine's counters as JSON, behind the API key like every /v1 route) and
+/v1/warm (pagedrag.server.warm)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedrag import __version__
 from pagedrag.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedrag.server import legacy, tokenize
+from pagedrag.server import legacy, tokenize, warm
 from pagedrag.server.auth import ApiKeyMiddleware
 from pagedrag.server.body_limit import BodySizeLimitMiddleware
 from pagedrag.server.chat import create_chat_completion
@@ -74,4 +75,5 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
 
     app.include_router(tokenize.router)
     app.include_router(legacy.router)
+    app.include_router(warm.router)
     return app

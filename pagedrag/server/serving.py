@@ -226,9 +226,11 @@ class Serving:
             return request.cache_salt
         return tenant_cache_salt(bearer_token(http_request.headers), request.cache_salt)
 
-    def check(self, request: SamplingRequest) -> tuple[Envelope, SamplingParams]:
+    def check(self, request: SamplingRequest, copies: int = 1) -> tuple[Envelope, SamplingParams]:
         """Check what needs no tokenizing: the model, the sampling parameters and room in the
-        queue. Raises APIError: 404 unknown model, 400 bad parameters, 503 over --max-queue."""
+        queue for ``copies`` requests like this one that arrive together (a warm-up's
+        conversations). Raises APIError: 404 unknown model, 400 bad parameters, 503 over
+        --max-queue."""
         model = self.resolve_model(request.model)
         try:
             params = request.sampling_params()
@@ -239,7 +241,7 @@ class Serving:
             num_prompts = request.num_prompts()
         except ValueError as error:
             raise APIError(400, str(error), param=request.prompt_field) from error
-        self._admit(num_prompts * params.n)
+        self._admit(copies * num_prompts * params.n)
         return Envelope.new(request.PREFIX, model), params
 
     async def start(self, http_request: Request, params: SamplingParams, prompts: list[ProcessedPrompt],

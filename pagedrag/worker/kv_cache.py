@@ -3,6 +3,7 @@ same shapes in CPU swap space, and the sizing of both from memory budgets."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from types import ModuleType
@@ -12,7 +13,7 @@ import torch
 from pagedrag.config import GIB_BYTES
 from pagedrag.core.block_pool import blocks_for
 from pagedrag.core.kv_cache_manager import SwapPlan
-from pagedrag.worker.transfer import host_to_device
+from pagedrag.worker.transfer import device_to_host, host_to_device
 
 logger = logging.getLogger("pagedrag")
 
@@ -60,6 +61,33 @@ class KVCacheTensors:
         pin = device.type == "cuda"
         self.cpu_layers = _layers(_allocate(shape, num_cpu_blocks, torch.device("cpu"), pin))
 
+    def gather_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying blocks to the host, each block's layers contiguous: (a host tensor
+        [n, layers, 2, block_size, kv_heads, head_dim], an event to wait on before reading it).
+        On CUDA the gather runs on the device and crosses in one copy (the KV tiers' writes:
+        one large transfer moves ~30x faster than one per layer and block)."""
+        ids = host_to_device(block_ids, torch.int64, self.device_pool.device)
+        gathered = self.device_pool.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
+        return device_to_host(gathered)
+
+    def load_blocks(self, loads: list[tuple[int, torch.Tensor]]) -> None:
+        """Write blocks' K/V (host tensors [layers, 2, block_size, kv_heads, head_dim], pinned on
+        CUDA) into the pool: each block crosses whole (all its layers in one copy, on a stream of
+        its own on CUDA, so the copies overlap the work already queued), then one scatter on the
+        device puts them in place before the next forward pass."""
+        if not loads:
+            return
+        device = self.device_pool.device
+        ids = host_to_device([block_id for block_id, _ in loads], torch.int64, device)
+        staging = torch.empty((len(loads), *loads[0][1].shape), dtype=self.shape.dtype, device=device)
+        with _copy_stream(device) as stream:
+            for row, (_, kv) in zip(staging, loads):
+                row.copy_(kv, non_blocking=True)
+        if stream is not None:
+            torch.cuda.current_stream(device).wait_stream(stream)
+            staging.record_stream(torch.cuda.current_stream(device))
+        self.device_pool.index_copy_(2, ids, staging.permute(1, 2, 0, 3, 4, 5))
+
     def apply(self, copies: list[tuple[int, int]], swaps: SwapPlan) -> None:
         """Run a step's block moves: swap-outs, then swap-ins, then copy-on-write copies."""
         self._swap(swaps.out, self.device_layers, self.cpu_layers)
@@ -76,6 +104,18 @@ class KVCacheTensors:
         for (src_k, src_v), (dst_k, dst_v) in zip(sources, destinations):
             self.ops.swap_blocks(src_k, dst_k, mapping)
             self.ops.swap_blocks(src_v, dst_v, mapping)
+
+
+@contextlib.contextmanager
+def _copy_stream(device: torch.device):
+    """A side CUDA stream (after the work queued so far) for host-to-device copies; None on CPU."""
+    if device.type != "cuda":
+        yield None
+        return
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield stream
 
 
 def available_cpu_memory() -> int:

@@ -64,11 +64,13 @@ class StepLayout:
 
 @dataclass(slots=True)
 class BlockMoves:
-    """A step's cache moves before its forward pass: swaps, copy-on-write copies, chunk imports."""
+    """A step's cache moves before its forward pass: KV-tier loads (block id, host K/V), swaps,
+    copy-on-write copies, chunk imports."""
 
     copies: list[tuple[int, int]]
     swaps: SwapPlan
     imports: list[KVMove]
+    tier_loads: list = ()
 
 
 @dataclass(slots=True)
@@ -282,7 +284,8 @@ class ModelRunner:
         """Plan the step, hand the plan to the other ranks and run it; returns the step's
         logits (see StepLogits). ``inflight``: the previous step's tokens, still on the device
         (asynchronous scheduling)."""
-        moves = BlockMoves(step.block_copies, step.swaps, [m for item in step.scheduled for m in item.imports])
+        moves = BlockMoves(step.block_copies, step.swaps, [m for item in step.scheduled for m in item.imports],
+                           step.tier_loads)
         self.move_in(moves)
         layout, wanted = None, []
         if step.scheduled:
@@ -312,7 +315,8 @@ class ModelRunner:
         self.run(plan)
 
     def move_in(self, moves: BlockMoves) -> None:
-        """Swaps, copy-on-write copies and chunk imports, before the forward pass."""
+        """KV-tier loads, swaps, copy-on-write copies and chunk imports, before the forward pass."""
+        self.cache.load_blocks(list(moves.tier_loads))
         self.cache.apply(moves.copies, moves.swaps)
         self._move_kv(moves.imports)
 

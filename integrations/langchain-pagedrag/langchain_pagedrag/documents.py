@@ -9,6 +9,7 @@ from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import Field, model_validator
 
+from pagedrag.client import Prompt
 from pagedrag.rag.canonical import (
     DEFAULT_CHUNK_TEMPLATE,
     REUSABLE_CHUNK_TEMPLATE,
@@ -85,18 +86,33 @@ class CanonicalDocuments(RunnableSerializable[list[Document], list[Document]]):
     @property
     def _reusable(self) -> bool:
         """Whether the documents go to a model that may reuse chunks."""
-        return self.llm is not None and self.llm.chunk_reuse_possible
+        return _reuses_chunks(self.llm)
 
     @property
     def _chunk_template(self) -> str:
-        return REUSABLE_CHUNK_TEMPLATE if self._reusable else DEFAULT_CHUNK_TEMPLATE
+        return chunk_template(self.llm)
 
     def _cached_len(self, leading: list[Document]) -> int:
         """Cached tokens of the prompt whose context starts with these documents."""
-        fields = dict.fromkeys(self.prompt.input_variables, "")
-        context = _format(leading, self._chunk_template)
-        rendered = self.prompt.invoke({**fields, "context": context})
-        return self.llm.cached_prefix_len(self.llm.engine_prompt(rendered))
+        return self.llm.cached_prefix_len(context_prompt(self.llm, self.prompt, leading))
+
+
+def chunk_template(llm: ChatPagedRAG | PagedRAGLLM | None) -> str:
+    """How a document is rendered in a prompt to ``llm``: ``format_reusable_documents``' block
+    when it may reuse chunks, else ``format_documents``'."""
+    return REUSABLE_CHUNK_TEMPLATE if _reuses_chunks(llm) else DEFAULT_CHUNK_TEMPLATE
+
+
+def context_prompt(llm: ChatPagedRAG | PagedRAGLLM, prompt: BasePromptTemplate, documents: list[Document]) -> Prompt:
+    """The engine's prompt of ``prompt`` whose "context" is ``documents`` rendered as a prompt to
+    ``llm`` holds them (``chunk_template``), its other variables empty."""
+    fields = dict.fromkeys(prompt.input_variables, "")
+    rendered = prompt.invoke({**fields, "context": _format(documents, chunk_template(llm))})
+    return llm.engine_prompt(rendered)
+
+
+def _reuses_chunks(llm: ChatPagedRAG | PagedRAGLLM | None) -> bool:
+    return llm is not None and llm.chunk_reuse_possible
 
 
 def format_documents(documents: list[Document]) -> str:

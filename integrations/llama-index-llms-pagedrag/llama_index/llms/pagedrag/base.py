@@ -241,6 +241,17 @@ class PagedRAG(ChunkReuseSettings, FunctionCallingLLM):
         pieces = self.client.astream(text, params, self.cache_salt, **call)
         return (completion_response(piece, so_far) async for piece, so_far in arunning_text(pieces))
 
+    # ---- prompts as LlamaIndex sends them --------------------------------------------------
+    def template_prompt(self, template: BasePromptTemplate, **variables: str) -> Prompt:
+        """The engine's prompt when LlamaIndex predicts with ``template`` filled with
+        ``variables`` (those not given empty), as ``LLM.predict`` sends it: a chat model's
+        messages (with ``system_prompt``, as ``chat`` sends them), else the text of ``complete``.
+        The cache probe and the warm-up lay out a query's prompt through it."""
+        variables = {**dict.fromkeys(template.template_vars, ""), **variables}
+        if self.is_chat_model:
+            return self._chat_prompt(self._get_messages(template, **variables))
+        return self._prompt(self._get_prompt(template, **variables), formatted=True)
+
     # ---- helpers ----------------------------------------------------------------------------
     def _prompt(self, prompt: str, formatted: bool) -> str:
         """The text sent as is: completion_to_prompt applies unless already formatted."""

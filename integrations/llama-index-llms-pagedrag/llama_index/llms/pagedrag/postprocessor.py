@@ -7,13 +7,12 @@ from typing import Any
 from llama_index.core.bridge.pydantic import Field, model_validator
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts import BasePromptTemplate
-from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
 from pagedrag.rag.canonical import Chunk
 from pagedrag.rag.ordering import ChunkOrder, canonical_items, check_cache_aware
 
 from .base import PagedRAG
-from .messages import engine_messages
 from .templates import PAGEDRAG_QA_TEMPLATE
 
 
@@ -35,7 +34,7 @@ class CanonicalNodePostprocessor(BaseNodePostprocessor):
     LLM's context window across refine calls.)
 
     With ``llm`` (a PagedRAG), the nodes' texts, as LlamaIndex's response synthesizer packs
-    them into context_str (``_packed_text``), are told to it as retrieved chunks
+    them into context_str (``packed_text``), are told to it as retrieved chunks
     (``PagedRAG.expect_chunks``; a no-op unless chunk reuse may be on), so its calls pass
     them as ``chunks=`` and the engine cuts the prompt exactly around each node, wherever it
     lands. LlamaIndex joins the nodes without numbering them, so a node renders the same
@@ -65,25 +64,23 @@ class CanonicalNodePostprocessor(BaseNodePostprocessor):
         ordered = canonical_items(nodes, _chunk, _with_text, self.order, max_tokens=self.max_context_tokens,
                                   tokenizer=self.tokenizer, cached_len=self._cached_len)
         if self.llm is not None:
-            self.llm.expect_chunks(_packed_text(node) for node in ordered)
+            self.llm.expect_chunks(packed_text(scored.node) for scored in ordered)
         return ordered
 
     def _cached_len(self, leading: list[NodeWithScore]) -> int:
         """Cached tokens of the QA prompt whose context starts with these nodes."""
-        fields = dict.fromkeys(self.qa_template.template_vars, "")
-        messages = self.qa_template.format_messages(**{**fields, "context_str": _context(leading)})
-        return self.llm.cached_prefix_len(engine_messages(messages))
+        return self.llm.cached_prefix_len(self.llm.template_prompt(self.qa_template, context_str=_context(leading)))
 
 
 def _context(nodes: list[NodeWithScore]) -> str:
     """The nodes' texts as LlamaIndex's response synthesizer packs them into context_str."""
-    return "\n\n".join(text for text in map(_packed_text, nodes) if text)
+    return "\n\n".join(text for text in (packed_text(scored.node) for scored in nodes) if text)
 
 
-def _packed_text(scored: NodeWithScore) -> str:
+def packed_text(node: BaseNode) -> str:
     """A node's text as LlamaIndex's response synthesizer packs it: its content with its
     LLM metadata, stripped."""
-    return scored.node.get_content(metadata_mode=MetadataMode.LLM).strip()
+    return node.get_content(metadata_mode=MetadataMode.LLM).strip()
 
 
 def _chunk(scored: NodeWithScore) -> Chunk:

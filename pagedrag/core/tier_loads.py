@@ -1,0 +1,199 @@
+"""The scheduler's side of the KV tiers (pagedrag.kv_tiers): which of a waiting request's
+blocks to bring up into the pool before it runs, and the request's wait while they load.
+
+A request's prefix lookup walks its chain of block hashes through the pool (prefix hits) and
+on into the tiers: the blocks found there, up to the first found nowhere, are loaded into
+fresh pool blocks; with chunk reuse, so are its chunks that are in a tier in full. Each block
+is loaded only where the cost model (kv_tiers.cost_model) says loading it beats computing it.
+
+Invariants:
+- A request whose loads are running keeps its place in the waiting queue and waits; the
+  others run. Loads run on the tiers' reader threads, never on the step loop.
+- The pool blocks a load fills, and the request's own prefix hits, are held (ref count > 0)
+  from the start of the load until the request is admitted or freed (``release``), so
+  nothing evicts them in between.
+- A loaded block enters the pool's cache (``take_ready``) only once its data is in hand, and
+  its copy onto the device is in the plan of the step being scheduled
+  (``SchedulerOutput.tier_loads``), which runs it before that step's forward pass: any request
+  that hits the block reads the loaded values.
+- A prefix chain is loaded up to its first block that fails to load; a chunk comes in full
+  or not at all. What did not load is freed and computed as usual.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedrag.core.block_hash import BlockHash
+from pagedrag.core.block_pool import BlockPool, KVBlock
+from pagedrag.core.chunk_cache import ChunkCache
+from pagedrag.core.request import Request
+from pagedrag.kv_tiers.tiers import KVTiers
+
+_PREFIX = -1  # the chain a load belongs to: the prompt's prefix, or a chunk's segment index
+
+
+@dataclass(slots=True)
+class _Wanted:
+    chain: int
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Load:
+    wanted: _Wanted
+    block: KVBlock
+    future: Future
+    tier: str | None = None  # where it came from, once landed
+
+
+@dataclass
+class _Waiting:
+    held: list[KVBlock]  # the request's prefix hits, held while it waits
+    loads: list[_Load] = field(default_factory=list)
+    done: bool = False
+
+
+class TierLoads:
+    def __init__(self, pool: BlockPool, block_size: int, tiers: KVTiers, chunks: ChunkCache | None):
+        self.pool = pool
+        self.block_size = block_size
+        self.tiers = tiers
+        self.chunks = chunks
+        self._waiting: dict[str, _Waiting] = {}
+        self._ready: list[tuple[int, torch.Tensor]] = []
+        self._loading: set[BlockHash] = set()  # hashes whose loads have not landed
+
+    # ---- admission --------------------------------------------------------------------------
+    def defers(self, request: Request, hits: list[KVBlock]) -> bool:
+        """Whether the request waits for loads now: on first sight, start loading what the tiers
+        hold of it (True when there is any); afterwards, True until those loads are done."""
+        waiting = self._waiting.get(request.request_id)
+        if waiting is not None:
+            return not waiting.done
+        wanted = self._wanted(request, len(hits))
+        if not wanted:
+            return False
+        if any(item.block_hash in self._loading for item in wanted):
+            return True  # another request loads them: they are pool hits once landed
+        self.pool.touch(hits)
+        if len(wanted) > self.pool.num_free:
+            self.pool.free(list(reversed(hits)))
+            return False
+        blocks = self.pool.allocate(len(wanted))
+        loads = [_Load(item, block, self.tiers.read(item.block_hash, item.token_ids))
+                 for item, block in zip(wanted, blocks)]
+        self._waiting[request.request_id] = _Waiting(list(hits), loads)
+        self._loading.update(item.block_hash for item in wanted)
+        return True
+
+    def _wanted(self, request: Request, num_hit_blocks: int) -> list[_Wanted]:
+        if request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs compute every prompt position
+        if not request.tier_queried:
+            request.tier_queried = True
+            self.tiers.stats.query_tokens += request.num_tokens - num_hit_blocks * self.block_size
+        wanted = self._prefix_wanted(request, num_hit_blocks)
+        if self.chunks is not None and request.segments:
+            wanted += self._chunks_wanted(request, (num_hit_blocks + len(wanted)) * self.block_size)
+        return wanted
+
+    def _prefix_wanted(self, request: Request, num_hit_blocks: int) -> list[_Wanted]:
+        """The prompt's blocks past its prefix hits that a tier holds, up to the first it does not
+        (the last prompt token is always computed, so the block holding it is never loaded)."""
+        wanted = []
+        for index in range(num_hit_blocks, (request.num_tokens - 1) // self.block_size):
+            block_hash = request.block_hashes[index]
+            tier = self.tiers.locate(block_hash)
+            if tier is None or not self.tiers.cost.worth_loading(tier):
+                break
+            start = index * self.block_size
+            wanted.append(_Wanted(_PREFIX, block_hash, tuple(request.token_ids[start:start + self.block_size])))
+        return wanted
+
+    def _chunks_wanted(self, request: Request, first_position: int) -> list[_Wanted]:
+        """The blocks of the request's reusable chunks past ``first_position`` that are not in the
+        pool but all of whose blocks a tier holds."""
+        wanted = []
+        for index, segment in enumerate(request.segments):
+            if segment.start < first_position or not self.chunks.reusable(request, index) \
+                    or self.chunks.lookup(request, index) is not None:
+                continue
+            blocks = list(self.chunks.blocks_of(request, index))
+            tiers = [self.tiers.locate(block_hash) for block_hash, _ in blocks]
+            if all(tier is not None and self.tiers.cost.worth_loading(tier) for tier in tiers):
+                wanted += [_Wanted(index, block_hash, token_ids) for block_hash, token_ids in blocks]
+        return wanted
+
+    # ---- loads that finished ---------------------------------------------------------------
+    def take_ready(self) -> list[tuple[int, torch.Tensor]]:
+        """Register the blocks of every finished load in the pool's cache and hand over their
+        (block id, K/V) for the step being scheduled; what failed to load is freed."""
+        for waiting in self._waiting.values():
+            if not waiting.done and all(load.future.done() for load in waiting.loads):
+                self._land(waiting)
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _land(self, waiting: _Waiting) -> None:
+        """Keep the prefix chain up to its first failed block and every chunk that loaded in full."""
+        waiting.done = True
+        self._loading.difference_update(load.wanted.block_hash for load in waiting.loads)
+        results = [load.future.result() for load in waiting.loads]
+        broken_chunks = {load.wanted.chain for load, (stored, _) in zip(waiting.loads, results)
+                         if stored is None and load.wanted.chain != _PREFIX}
+        prefix_broken, kept = False, []
+        for load, (stored, tier) in zip(waiting.loads, results):
+            if load.wanted.chain == _PREFIX:
+                prefix_broken = prefix_broken or stored is None
+                usable = not prefix_broken
+            else:
+                usable = load.wanted.chain not in broken_chunks
+            if usable and self._register(load):
+                load.tier = tier
+                kept.append(load)
+                self._ready.append((load.block.block_id, stored.kv))
+                self.tiers.stats.served(tier, len(load.wanted.token_ids))
+            else:
+                self.pool.free([load.block])
+        waiting.loads = kept
+
+    def _register(self, load: _Load) -> bool:
+        """Put the loaded block into the pool's cache; False when another request cached the
+        same hash meanwhile (first writer wins), and the loaded copy is not needed."""
+        self.pool.cache(load.block, load.wanted.block_hash, load.wanted.token_ids, offer_to_tiers=False)
+        return load.block.block_hash == load.wanted.block_hash
+
+    def wait_for_any(self, timeout: float) -> None:
+        """Sleep until a running load finishes (or ``timeout`` seconds): for a step with nothing
+        else to do."""
+        futures = [load.future for waiting in self._waiting.values() if not waiting.done for load in waiting.loads]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    @property
+    def num_loading(self) -> int:
+        return sum(not waiting.done for waiting in self._waiting.values())
+
+    def tier_hits_of(self, request: Request) -> dict[str, int]:
+        """Tokens of the request's landed loads, by the tier they came from."""
+        hits: dict[str, int] = {}
+        for load in getattr(self._waiting.get(request.request_id), "loads", []):
+            hits[load.tier] = hits.get(load.tier, 0) + len(load.wanted.token_ids)
+        return hits
+
+    # ---- release ------------------------------------------------------------------------------
+    def release(self, request: Request) -> None:
+        """The request was admitted (its table holds the blocks now) or freed: let go of its holds.
+        A load still running is left to finish; its block is freed now and its result dropped."""
+        waiting = self._waiting.pop(request.request_id, None)
+        if waiting is None:
+            return
+        if not waiting.done:
+            self._loading.difference_update(load.wanted.block_hash for load in waiting.loads)
+        self.pool.free(list(reversed(waiting.held)))
+        self.pool.free(list(reversed([load.block for load in waiting.loads])))

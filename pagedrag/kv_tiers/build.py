@@ -1,0 +1,34 @@
+"""The engine's KV tiers from its arguments: a host tier (kv_offloading_size), a disk tier
+(kv_disk_path, kv_disk_size), both keyed within the keyspace of the loaded model."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedrag.config import GIB_BYTES, EngineArgs
+from pagedrag.kv_tiers.cost_model import TierCostModel
+from pagedrag.kv_tiers.disk_store import DiskStore
+from pagedrag.kv_tiers.host_store import HostStore
+from pagedrag.kv_tiers.keyspace import KeySpace, weights_fingerprint
+from pagedrag.kv_tiers.tiers import KVTiers
+
+logger = logging.getLogger("pagedrag")
+
+
+def build_tiers(args: EngineArgs, model: torch.nn.Module, shape, device: torch.device) -> KVTiers | None:
+    """None when no tier is asked for. ``shape``: the pool's worker.kv_cache.CacheShape."""
+    if not args.uses_kv_tiers:
+        return None
+    keyspace = KeySpace(weights_fingerprint(model), str(shape.dtype), device.type, shape.block_size,
+                        shape.num_layers, shape.num_kv_heads, shape.head_dim).fingerprint
+    stores = []
+    if args.kv_offloading_size:
+        stores.append(HostStore(args.kv_offloading_size * GIB_BYTES, pin_memory=device.type == "cuda"))
+    if args.kv_disk_path is not None:
+        stores.append(DiskStore(args.kv_disk_path, args.kv_disk_size * GIB_BYTES, keyspace))
+    for store in stores:
+        logger.info("kv %s tier: %.2f GiB%s (keyspace %s)", store.name, store.capacity_bytes / GIB_BYTES,
+                    f" at {args.kv_disk_path}" if store.name == "disk" else "", keyspace[:16])
+    return KVTiers(stores, keyspace, TierCostModel(shape.block_size))

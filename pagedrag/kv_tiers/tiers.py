@@ -1,0 +1,144 @@
+"""The stack of KV stores below the device pool, and the threads that move blocks in and out.
+
+``KVTiers`` takes blocks by their chained block hash (core.block_hash) and keys them within its
+keyspace (keyspace.block_key). Writes are write-through: every block the pool caches is
+offered to every tier once, as the step that completed it ends (so a restarted or a second
+engine finds it, even after a SIGKILL); a read tries the tiers in order (host, then disk)
+and copies a disk hit into the host tier. Reads and writes run on threads of their own, never
+on the step loop: the scheduler asks ``read`` for a future and lets the request wait.
+
+Invariant: a read returns a block only when its stored token ids equal the ones asked for;
+everything else (not there, evicted meanwhile, corrupt, another tenant's) is None, a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from pagedrag.kv_tiers.cost_model import TierCostModel
+from pagedrag.kv_tiers.keyspace import block_key
+from pagedrag.kv_tiers.store import KVStore, StoredBlock
+
+logger = logging.getLogger("pagedrag")
+
+
+class TierStats:
+    """Counters of the tiers' traffic, in tokens, bytes and seconds (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.hit_tokens: Counter[str] = Counter()  # prefix / chunk tokens served, by tier
+        self.query_tokens = 0  # tokens looked up below the pool (external_prefix_cache_queries)
+        self.bytes: Counter[str] = Counter()  # by transfer type: disk_to_host, host_to_device, ...
+        self.seconds: Counter[str] = Counter()
+
+    def moved(self, transfer: str, num_bytes: int, seconds: float) -> None:
+        with self._lock:
+            self.bytes[transfer] += num_bytes
+            self.seconds[transfer] += seconds
+
+    def served(self, tier: str, num_tokens: int) -> None:
+        with self._lock:
+            self.hit_tokens[tier] += num_tokens
+
+
+class KVTiers:
+    def __init__(self, stores: Sequence[KVStore], keyspace: str, cost: TierCostModel):
+        self.stores = list(stores)
+        self.keyspace = keyspace
+        self.cost = cost
+        self.stats = TierStats()
+        self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedrag-kv-read")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrag-kv-write")  # FIFO
+
+    @property
+    def enabled(self) -> bool:
+        return any(store.enabled for store in self.stores)
+
+    def key(self, block_hash: bytes) -> bytes:
+        return block_key(self.keyspace, block_hash)
+
+    def locate(self, block_hash: bytes) -> str | None:
+        """The first tier that holds the block (by its key; no data read), or None."""
+        key = self.key(block_hash)
+        return next((store.name for store in self.stores if store.enabled and store.contains(key)), None)
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def read(self, block_hash: bytes, token_ids: Sequence[int]) -> Future:
+        """A future of (StoredBlock or None, the tier it came from or None)."""
+        return self._readers.submit(self._read, self.key(block_hash), tuple(token_ids))
+
+    def _read(self, key: bytes, token_ids: tuple[int, ...]) -> tuple[StoredBlock | None, str | None]:
+        for depth, store in enumerate(self.stores):
+            if not (store.enabled and store.contains(key)):
+                continue
+            start = time.perf_counter()
+            block = store.get(key)
+            seconds = time.perf_counter() - start
+            if block is None or block.token_ids != token_ids:
+                continue
+            self.cost.observe_load(store.name, seconds)
+            if store.name != "host":
+                self.stats.moved(f"{store.name}_to_host", block.num_bytes, seconds)
+            for upper in self.stores[:depth]:
+                upper.put(key, block)
+            return block, store.name
+        return None, None
+
+    # ---- writes --------------------------------------------------------------------------------
+    def write(self, entries: Sequence[tuple[bytes, Sequence[int]]], kv: torch.Tensor,
+              ready: torch.cuda.Event | None) -> None:
+        """Offer blocks to every tier: ``entries[i]`` is (block hash, token ids) of ``kv[i]``, a
+        host tensor [n, layers, 2, block_size, kv_heads, head_dim], complete once ``ready`` fired."""
+        if entries and self.enabled:
+            self._writer.submit(self._write, list(entries), kv, ready)
+
+    def _write(self, entries, kv: torch.Tensor, ready) -> None:
+        try:
+            self._write_all(entries, kv, ready)
+        except Exception:  # a store's own errors turn it off; anything else must not stop the writer
+            logger.exception("kv tiers: a write failed")
+
+    def _write_all(self, entries, kv: torch.Tensor, ready) -> None:
+        start = time.perf_counter()
+        if ready is not None:
+            ready.synchronize()
+        self.stats.moved("device_to_host", kv.numel() * kv.element_size(), time.perf_counter() - start)
+        for store in self.stores:
+            start, num_bytes = time.perf_counter(), 0
+            for (block_hash, token_ids), block_kv in zip(entries, kv):
+                block = StoredBlock(tuple(token_ids), block_kv.clone())
+                store.put(self.key(block_hash), block)
+                num_bytes += block.num_bytes
+            if store.name != "host":
+                self.stats.moved(f"host_to_{store.name}", num_bytes, time.perf_counter() - start)
+
+    def written(self) -> Future:
+        """A future that completes once every write handed over so far is in the tiers (the
+        writer is one thread, first in first out)."""
+        return self._writer.submit(lambda: None)
+
+    def close(self) -> None:
+        self.written().result()
+        self._readers.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+
+    def snapshot(self) -> dict:
+        """Each tier's use and capacity, the traffic so far and the cost model's figures."""
+        return {
+            "tiers": {store.name: {"enabled": store.enabled, "used_bytes": store.used_bytes,
+                                   "capacity_bytes": store.capacity_bytes, "dropped_files": store.num_dropped}
+                      for store in self.stores},
+            "hit_tokens": dict(self.stats.hit_tokens),
+            "external_prefix_cache_queries": self.stats.query_tokens,
+            "external_prefix_cache_hits": sum(self.stats.hit_tokens.values()),
+            "bytes": dict(self.stats.bytes), "seconds": dict(self.stats.seconds),
+            "cost_model": self.cost.snapshot(),
+        }

@@ -1,0 +1,157 @@
+"""KV tiers under the pool, end to end on a tiny random Llama (CPU, float32): a block loaded
+from the host or the disk tier gives exactly the outputs of a pool hit and of HF's greedy
+generate, after a restart too; a changed checkpoint misses; a bad file is a miss; a broken
+directory turns the tier off and the engine goes on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from model_fixtures import make_tiny_model
+from test_engine_equivalence import hf_greedy
+from pagedrag import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+ENGINE = {"max_model_len": 512, "num_gpu_blocks_override": 96, "block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The model, its prompts (sharing a 160-token prefix) and HF's greedy answers to them."""
+    path = make_tiny_model(tmp_path_factory.mktemp("tiers"), "llama")
+    generator = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, 250, (160,), generator=generator).tolist()
+    prompts = [shared + torch.randint(3, 250, (n,), generator=generator).tolist() for n in (9, 23, 40)]
+    return path, prompts, hf_greedy(path, prompts, max_new=GREEDY.max_tokens)
+
+
+def _run(llm: LLM, prompts):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    llm.llm_engine.flush_tiers()
+    return outputs
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_restart_on_the_disk_tier_equals_hf_and_the_cold_run(tiny, tmp_path):
+    path, prompts, expected = tiny
+    cold = LLM(str(path), kv_disk_path=tmp_path, **ENGINE)
+    first = _run(cold, prompts)
+    cold.llm_engine.shutdown()
+    assert _tokens(first) == expected
+    restarted = LLM(str(path), kv_disk_path=tmp_path, **ENGINE)
+    second = _run(restarted, prompts)
+    assert _tokens(second) == expected
+    assert second[0].num_tier_hit_tokens == {"disk": 160} and second[0].num_cached_tokens == 160
+    stats = restarted.stats()["kv_tiers"]
+    assert stats["external_prefix_cache_hits"] >= 160 and stats["bytes"]["disk_to_host"] > 0
+    assert stats["tiers"]["disk"]["used_bytes"] > 0
+
+
+def test_host_tier_serves_blocks_the_pool_let_go(tiny):
+    path, prompts, expected = tiny
+    llm = LLM(str(path), kv_offloading_size=0.01, **{**ENGINE, "num_gpu_blocks_override": 40})
+    assert _tokens(_run(llm, prompts[:1])) == expected[:1]
+    filler = [[5 + i] * 300 for i in range(2)]  # evicts every cached block of the first prompt
+    _run(llm, filler)
+    assert llm.llm_engine.cached_prefix_len(prompts[0]) == 0
+    again = _run(llm, prompts)
+    assert _tokens(again) == expected
+    assert again[0].num_tier_hit_tokens.get("host", 0) >= 160
+
+
+def test_chunk_reuse_through_the_disk_tier(tiny, tmp_path):
+    """A chunk's position-independent KV goes through the disk tier: a restarted engine imports
+    it exactly as the engine that computed it imports it from its pool."""
+    path, prompts, _ = tiny
+    tokens = prompts[0]
+    head, first, second, tail = tokens[:32], tokens[32:80], tokens[80:120], [9, 10, 11, 12, 13]
+    def prompt(*segments):
+        return {"prompt_segments": [{"token_ids": list(s)} for s in segments]}
+    engine = {**ENGINE, "enable_chunk_reuse": True}
+    computing = LLM(str(path), kv_disk_path=tmp_path, **engine)
+    computing.generate(prompt(head, first, tail), GREEDY, use_tqdm=False)
+    from_pool = computing.generate(prompt(head, second, first, tail), GREEDY, use_tqdm=False)[0]
+    computing.llm_engine.flush_tiers()
+    assert from_pool.num_chunk_hit_tokens > 0
+    restarted = LLM(str(path), kv_disk_path=tmp_path, **engine)
+    from_disk = restarted.generate(prompt(head, second, first, tail), GREEDY, use_tqdm=False)[0]
+    assert from_disk.num_chunk_hit_tokens == from_pool.num_chunk_hit_tokens
+    assert from_disk.num_tier_hit_tokens["disk"] >= len(first)
+    assert from_disk.outputs[0].token_ids == from_pool.outputs[0].token_ids
+
+
+def test_changed_weights_under_the_same_name_miss(tiny, tmp_path_factory, tmp_path):
+    path, prompts, _ = tiny
+    _run(LLM(str(path), kv_disk_path=tmp_path, **ENGINE), prompts[:1])
+    changed = tmp_path_factory.mktemp("changed") / path.name
+    shutil.copytree(path, changed)
+    other = make_tiny_model(tmp_path_factory.mktemp("seed1"), "llama", seed=1)
+    shutil.copy(other / "model.safetensors", changed / "model.safetensors")
+    out = _run(LLM(str(changed), kv_disk_path=tmp_path, **ENGINE), prompts[:1])[0]
+    assert out.num_cached_tokens == 0 and out.num_tier_hit_tokens == {}
+    assert _tokens([out]) == hf_greedy(changed, prompts[:1], max_new=GREEDY.max_tokens)
+
+
+def _flip_a_byte(path, files):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path, files):
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def _another_blocks_file(path, files):
+    path.write_bytes(files[(files.index(path) + 1) % len(files)].read_bytes())
+
+
+@pytest.mark.parametrize("damage", [_flip_a_byte, _truncate, _another_blocks_file])
+def test_a_damaged_file_is_a_miss_that_is_removed(tiny, tmp_path, damage):
+    path, prompts, expected = tiny
+    _run(LLM(str(path), kv_disk_path=tmp_path, **ENGINE), prompts[:1])
+    files = sorted(tmp_path.rglob("*.kv"))
+    originals = {file: file.read_bytes() for file in files}
+    for file in files:
+        damage(file, [f for f in originals])
+    llm = LLM(str(path), kv_disk_path=tmp_path, **ENGINE)
+    out = _run(llm, prompts[:1])
+    assert _tokens(out) == expected[:1] and out[0].num_cached_tokens == 0
+    dropped = llm.stats()["kv_tiers"]["tiers"]["disk"]["dropped_files"]
+    assert dropped >= 1 and sum(not f.exists() or f.read_bytes() in originals.values() for f in files) >= dropped
+
+
+def test_a_directory_that_breaks_turns_the_tier_off_and_the_engine_goes_on(tiny, tmp_path, caplog):
+    path, prompts, expected = tiny
+    directory = tmp_path / "kv"
+    llm = LLM(str(path), kv_disk_path=directory, **ENGINE)
+    shutil.rmtree(directory)
+    directory.write_text("not a directory")  # every write under it now fails
+    with caplog.at_level(logging.WARNING, logger="pagedrag"):
+        assert _tokens(_run(llm, prompts)) == expected
+    assert not llm.stats()["kv_tiers"]["tiers"]["disk"]["enabled"]
+    assert sum("turned off" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_warm_fills_the_tier_for_a_later_engine(tiny, tmp_path):
+    path, prompts, expected = tiny
+    summary = LLM(str(path), kv_disk_path=tmp_path, **ENGINE).warm(
+        [{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    assert summary["prompts"] == 3 and summary["prompt_tokens"] == sum(map(len, prompts))
+    out = _run(LLM(str(path), kv_disk_path=tmp_path, **ENGINE), prompts)
+    assert _tokens(out) == expected and all(o.num_cached_tokens >= 160 for o in out)
+
+
+@pytest.mark.parametrize("bad", [{"kv_offloading_size": -1}, {"kv_disk_size": 0}, {"kv_disk_path": 3},
+                                 {"kv_disk_path": "x", "enable_prefix_caching": False}])
+def test_bad_tier_arguments_are_refused_by_name(tiny, bad):
+    with pytest.raises(ValueError, match="kv_"):
+        LLM(str(tiny[0]), **ENGINE, **bad)

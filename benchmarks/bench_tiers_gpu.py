@@ -79,6 +79,10 @@ def workload(llm: LLM, prompts: list[list[int]]) -> float:
     return REQUESTS * NEW_TOKENS / timed(run)
 
 
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--disk-path", default=None, help="the disk tier's directory (default: a temporary one)")
@@ -89,15 +93,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as disk:
         llama3_config("8b").save_pretrained(folder)
         llm = LLM(folder, kv_offloading_size=16, **ENGINE)
+        log('llm = LLM(folder, kv_offloading_size=16, **ENGINE)')
         llm.generate({"prompt_token_ids": prompts[1]}, ONE, use_tqdm=False)  # warm up
         loads = host_load_bandwidth(llm, prompts[0])
+        log('loads = host_load_bandwidth(llm, prompts[0])')
         llm.reset_prefix_cache()
         rows.append(("TTFT, cold", statistics.median(  # prompts never seen before
             llm.generate({"prompt_token_ids": rag_prompts(seed)[0]}, ONE, use_tqdm=False)[0].metrics.ttft
             for seed in (11, 12, 13))))
         llm.generate({"prompt_token_ids": prompts[0]}, ONE, use_tqdm=False)
         rows.append(("TTFT, 1,280 tokens in the pool", ttft(llm, probe, forget_pool=False)))
+        log('rows.append(("TTFT, 1,280 tokens in the pool", ttf')
         rows.append(("TTFT, 1,280 tokens in the host tier", ttft(llm, probe, forget_pool=True)))
+        log('rows.append(("TTFT, 1,280 tokens in the host tier"')
         needed = llm.stats()["num_cached_blocks"]
         llm.llm_engine.shutdown()
         del llm
@@ -105,6 +113,7 @@ def main() -> None:
         disk_llm.generate({"prompt_token_ids": prompts[0]}, ONE, use_tqdm=False)
         disk_llm.llm_engine.flush_tiers()
         rows.append(("TTFT, 1,280 tokens in the disk tier", ttft(disk_llm, probe, forget_pool=True)))
+        log('rows.append(("TTFT, 1,280 tokens in the disk tier"')
         disk_stats = disk_llm.stats()["kv_tiers"]
         disk_llm.llm_engine.shutdown()
         del disk_llm
@@ -113,6 +122,7 @@ def main() -> None:
         for name, extra in (("no tier", {}), ("host tier", {"kv_offloading_size": 16})):
             llm = LLM(folder, **{**ENGINE, "num_gpu_blocks_override": quarter}, **extra)
             arms[name] = workload(llm, prompts)
+            log('arms[name] = workload(llm, prompts)')
             llm.llm_engine.shutdown()
             del llm
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; Llama-3-8B shape, random bf16 weights\n")

@@ -188,3 +188,16 @@ def test_keyspace_changes_with_every_field():
                 KeySpace("w", "torch.float32", "cpu", 16, 2, 2, 16, tp_rank=1, tp_size=2),
                 KeySpace("w", "torch.float32", "cpu", 16, 2, 2, 16, format_version=2)]
     assert len({base.fingerprint, *(v.fingerprint for v in variants)}) == 1 + len(variants)
+
+
+def test_the_cost_model_turns_a_slow_tier_away_and_shrugs_off_a_compile_step():
+    from pagedrag.kv_tiers.cost_model import TierCostModel
+
+    cost = TierCostModel(block_size=16)
+    assert cost.worth_loading("disk")  # nothing measured yet
+    cost.observe_prefill(1000, 30.0)  # a first step that compiled kernels: 30 ms a token
+    for _ in range(4):
+        cost.observe_prefill(1000, 0.1)  # then 0.1 ms a token: a block computes in 1.6 ms
+    cost.observe_load("disk", 0.005)
+    cost.observe_load("host", 0.0002)
+    assert not cost.worth_loading("disk") and cost.worth_loading("host")

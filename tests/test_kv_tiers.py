@@ -155,3 +155,16 @@ def test_warm_fills_the_tier_for_a_later_engine(tiny, tmp_path):
 def test_bad_tier_arguments_are_refused_by_name(tiny, bad):
     with pytest.raises(ValueError, match="kv_"):
         LLM(str(tiny[0]), **ENGINE, **bad)
+
+
+def test_a_tight_pool_with_loads_for_many_requests_at_once_makes_progress(tiny):
+    """Many requests whose blocks are in the host tier, admitted together into a pool that holds
+    a few of them: every one finishes, with HF's tokens (loads never take the pool's last room)."""
+    path, prompts, expected = tiny
+    llm = LLM(str(path), kv_offloading_size=0.05, **{**ENGINE, "num_gpu_blocks_override": 36})
+    batch = [prompts[i % 3] for i in range(9)]
+    assert _tokens(_run(llm, batch)) == [expected[i % 3] for i in range(9)]
+    llm.reset_prefix_cache()
+    again = _run(llm, batch)
+    assert _tokens(again) == [expected[i % 3] for i in range(9)]
+    assert sum(o.num_tier_hit_tokens.get("host", 0) for o in again) > 0

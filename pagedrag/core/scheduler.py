@@ -127,12 +127,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.kv.tier_loads is not None:  # first: this step's admissions may hit what landed
-            out.tier_loads = self.kv.tier_loads.take_ready()
+            self.kv.tier_loads.land_finished()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_swapped(out, budget)
             self._schedule_waiting(out, budget)
         out.block_copies, out.swaps = self.kv.take_step_transfers()
+        if self.kv.tier_loads is not None:
+            out.tier_loads = self.kv.tier_loads.take_loads()
         return out
 
     def update_after_step(self, step: SchedulerOutput, on_error: Callable[[Request, Exception], None]) -> None:
@@ -271,7 +273,12 @@ class Scheduler:
             request = self.waiting[0]
             hits = self.kv.computed_blocks(request)
             tiers = self.kv.tier_loads
-            if (tiers is not None and tiers.defers(request, hits)) or self.kv.waits_for(request, len(hits), pending):
+            if tiers is not None:
+                if tiers.defers(request, hits):
+                    deferred.append(self.waiting.popleft())
+                    continue
+                hits = self.kv.computed_blocks(request)  # with what landed from host memory just now
+            if self.kv.waits_for(request, len(hits), pending):
                 deferred.append(self.waiting.popleft())
                 continue
             num_scheduled = self._admit(request, hits, budget, out)

@@ -10,12 +10,15 @@ Invariants:
 - A request whose loads are running keeps its place in the waiting queue and waits; the
   others run. Loads run on the tiers' reader threads, never on the step loop.
 - The pool blocks a load fills, and the request's own prefix hits, are held (ref count > 0)
-  from the start of the load until the request is admitted or freed (``release``), so
-  nothing evicts them in between.
-- A loaded block enters the pool's cache (``take_ready``) only once its data is in hand, and
-  its copy onto the device is in the plan of the step being scheduled
-  (``SchedulerOutput.tier_loads``), which runs it before that step's forward pass: any request
-  that hits the block reads the loaded values.
+  while the load runs, so nothing evicts them meanwhile. Once it lands they are let go:
+  cached, at the young end of the pool's LRU queue, found by the request as prefix hits
+  when it is admitted. (Held until admission, loaded blocks of requests that cannot be
+  admitted yet could fill the pool and stall it.) A load starts only when the pool has room
+  for the whole request beyond its hits, so loads never take the room the request itself needs.
+- A loaded block enters the pool's cache (``land_finished``, or at once for host memory) only
+  once its data is in hand, and its copy onto the device is in the plan of the step being
+  scheduled (``take_loads`` -> ``SchedulerOutput.tier_loads``), which runs it before that
+  step's forward pass: any request that hits the block reads the loaded values.
 - A prefix chain is loaded up to its first block that fails to load; a chunk comes in full
   or not at all. What did not load is freed and computed as usual.
 """
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedrag.core.block_hash import BlockHash
-from pagedrag.core.block_pool import BlockPool, KVBlock
+from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 from pagedrag.core.chunk_cache import ChunkCache
 from pagedrag.core.request import Request
 from pagedrag.kv_tiers.tiers import KVTiers
@@ -53,9 +56,9 @@ class _Load:
 
 @dataclass
 class _Waiting:
-    held: list[KVBlock]  # the request's prefix hits, held while it waits
+    held: list[KVBlock]  # the request's prefix hits, held while its loads run
     loads: list[_Load] = field(default_factory=list)
-    done: bool = False
+    done: bool = False  # landed: nothing held any more
 
 
 class TierLoads:
@@ -81,13 +84,17 @@ class TierLoads:
         if any(item.block_hash in self._loading for item in wanted):
             return True  # another request loads them: they are pool hits once landed
         self.pool.touch(hits)
-        if len(wanted) > self.pool.num_free:
+        if blocks_for(request.num_tokens, self.block_size) - len(hits) > self.pool.num_free:
             self.pool.free(list(reversed(hits)))
             return False
         blocks = self.pool.allocate(len(wanted))
         loads = [_Load(item, block, self.tiers.read(item.block_hash, item.token_ids))
                  for item, block in zip(wanted, blocks)]
-        self._waiting[request.request_id] = _Waiting(list(hits), loads)
+        waiting = _Waiting(list(hits), loads)
+        self._waiting[request.request_id] = waiting
+        if all(load.future.done() for load in loads):  # from host memory: lands in this very step
+            self._land(waiting)
+            return False
         self._loading.update(item.block_hash for item in wanted)
         return True
 
@@ -130,12 +137,15 @@ class TierLoads:
         return wanted
 
     # ---- loads that finished ---------------------------------------------------------------
-    def take_ready(self) -> list[tuple[int, torch.Tensor]]:
-        """Register the blocks of every finished load in the pool's cache and hand over their
-        (block id, K/V) for the step being scheduled; what failed to load is freed."""
+    def land_finished(self) -> None:
+        """Register the blocks of every finished load in the pool's cache (what failed to load is
+        freed); their K/V waits in ``take_loads`` for the step being scheduled."""
         for waiting in self._waiting.values():
             if not waiting.done and all(load.future.done() for load in waiting.loads):
                 self._land(waiting)
+
+    def take_loads(self) -> list[tuple[int, torch.Tensor]]:
+        """(block id, K/V) of every block landed since the last call: the step's tier loads."""
         ready, self._ready = self._ready, []
         return ready
 
@@ -161,6 +171,9 @@ class TierLoads:
             else:
                 self.pool.free([load.block])
         waiting.loads = kept
+        self.pool.free(list(reversed([load.block for load in kept])))
+        self.pool.free(list(reversed(waiting.held)))
+        waiting.held = []
 
     def _register(self, load: _Load) -> bool:
         """Put the loaded block into the pool's cache; False when another request cached the
@@ -188,12 +201,11 @@ class TierLoads:
 
     # ---- release ------------------------------------------------------------------------------
     def release(self, request: Request) -> None:
-        """The request was admitted (its table holds the blocks now) or freed: let go of its holds.
-        A load still running is left to finish; its block is freed now and its result dropped."""
+        """The request was admitted or freed: forget its loads. A load still running is left to
+        finish; its blocks and the request's hits are let go now and its result dropped."""
         waiting = self._waiting.pop(request.request_id, None)
-        if waiting is None:
+        if waiting is None or waiting.done:
             return
-        if not waiting.done:
-            self._loading.difference_update(load.wanted.block_hash for load in waiting.loads)
+        self._loading.difference_update(load.wanted.block_hash for load in waiting.loads)
         self.pool.free(list(reversed(waiting.held)))
         self.pool.free(list(reversed([load.block for load in waiting.loads])))

@@ -72,8 +72,15 @@ class KVTiers:
 
     # ---- reads ---------------------------------------------------------------------------------
     def read(self, block_hash: bytes, token_ids: Sequence[int]) -> Future:
-        """A future of (StoredBlock or None, the tier it came from or None)."""
-        return self._readers.submit(self._read, self.key(block_hash), tuple(token_ids))
+        """A future of (StoredBlock or None, the tier it came from or None). A block in host
+        memory is read at once (a lookup: a thread would only add its hop); others on a reader
+        thread."""
+        key = self.key(block_hash)
+        if self.stores and self.stores[0].name == "host" and self.stores[0].contains(key):
+            done: Future = Future()
+            done.set_result(self._read(key, tuple(token_ids)))
+            return done
+        return self._readers.submit(self._read, key, tuple(token_ids))
 
     def _read(self, key: bytes, token_ids: tuple[int, ...]) -> tuple[StoredBlock | None, str | None]:
         for depth, store in enumerate(self.stores):

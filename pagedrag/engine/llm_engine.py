@@ -44,6 +44,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs):
         self.args = args
+        self.tiers = None  # built once the device side is (shutdown() may run before)
         self.ranks = start_ranks(args)  # one rank, or rank 0 of a tensor-parallel group
         # Stops the workers when the engine is dropped or the interpreter exits (no reference to self).
         self._stop_ranks = weakref.finalize(self, self.ranks.stop)

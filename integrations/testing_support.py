@@ -69,9 +69,10 @@ RAG_QUERIES = (
     "What does a random generator instance hold?",
     "How do I serialize data to JSON with sorted keys?",
 )
-# The RAG pipeline tests' stream: every other question (each module's topics still overlap),
-# unless PAGEDRAG_STREAM=full asks for all 32.
-RAG_STREAM = RAG_QUERIES if os.environ.get("PAGEDRAG_STREAM") == "full" else RAG_QUERIES[::2]
+# The RAG pipeline tests' stream: all 32 questions; PAGEDRAG_STREAM=short asks every other one
+# (quicker, but on it the canonical order was measured at 1.98x the retriever order's hit rate in
+# LangChain, short of the 2x the test asks for: CI keeps the full stream).
+RAG_STREAM = RAG_QUERIES[::2] if os.environ.get("PAGEDRAG_STREAM") == "short" else RAG_QUERIES
 
 # Two RAG_QUERIES whose top CHUNK_REUSE_TOP_K documents overlap in another order, led by
 # different documents (tests check it: overlap_in_another_order)

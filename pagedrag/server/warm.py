@@ -21,6 +21,7 @@ from starlette.requests import Request
 
 from pagedrag.engine.inputs import ProcessedPrompt
 from pagedrag.server.errors import as_api_error
+from pagedrag.server.openapi import error_responses
 from pagedrag.server.protocol import (MAX_PROMPT_CHUNKS, MAX_PROMPTS_PER_REQUEST, ChatCompletionRequest,
                                       ChatMessage, CompletionRequest, StrictRequest)
 from pagedrag.server.serving import Serving
@@ -81,7 +82,7 @@ class WarmResponse(BaseModel):
     cached_tokens: int
 
 
-@router.post("/v1/warm")
+@router.post("/v1/warm", responses=error_responses(400, 404, 503))
 async def warm(body: WarmRequest, http_request: Request) -> WarmResponse:
     """pagedrag's extension (not OpenAI's): compute and store the KV of the prompts without
     generating, and answer once the KV tiers hold it. Input is checked as /v1/completions (or

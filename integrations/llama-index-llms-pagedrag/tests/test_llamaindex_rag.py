@@ -1,6 +1,6 @@
 """A real RAG pipeline: PagedRAG as Settings.llm over a faiss VectorStoreIndex with MiniLM
-embeddings; the questions of RAG_STREAM (16; all 32 with
-PAGEDRAG_STREAM=full), whose top-5 retrieved sets overlap.
+embeddings; the questions of RAG_STREAM (all 32; 16 with
+PAGEDRAG_STREAM=short), whose top-5 retrieved sets overlap.
 
 The canonical node order must at least double the prefix-cache hit rate, and the answers
 must equal those of the same prompts run with prefix caching off (greedy decoding).

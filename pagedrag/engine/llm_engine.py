@@ -232,7 +232,8 @@ class LLMEngine:
         if self.tiers is None:
             return
         self.tiers.cost.observe_prefill(step.num_tokens, seconds)
-        self.tiers.stats.moved("host_to_device", sum(kv.numel() * kv.element_size() for _, kv in step.tier_loads), 0.0)
+        if step.tier_loads:  # bytes only: the copy runs on the device, untimed here
+            self.tiers.stats.moved("host_to_device", sum(kv.numel() * kv.element_size() for _, kv in step.tier_loads), 0.0)
         blocks = self.kv.pool.take_newly_cached()
         if blocks:
             kv, ready = self.runner.cache.gather_blocks([block_id for block_id, _, _ in blocks])

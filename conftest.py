@@ -1,12 +1,25 @@
-"""The test suite's two lanes: everything (the README's `bash scripts/test.sh`, what CI runs),
-and the fast lane of unit, property and kernel tests (`bash scripts/test.sh -m "not slow"`).
+"""The test suite's two lanes and how it shares the cores.
 
-Every test outside FAST_MODULES is marked ``slow``: those load the embedded model, start a
-server or a subprocess, run the notebook or an integration's pipeline. A new test module is
-slow until it is listed here, so the fast lane never grows by accident.
+Lanes: everything (the README's `bash scripts/test.sh`, what CI runs), and the fast lane of
+unit, property and kernel tests (`bash scripts/test.sh -m "not slow"`). Every test outside
+FAST_MODULES is marked ``slow``: those load the embedded model, start a server or a
+subprocess, run the notebook or an integration's pipeline. A new test module is slow until
+it is listed here, so the fast lane never grows by accident.
+
+Cores: scripts/test.sh runs two pytest-xdist workers (``--dist loadgroup``), each taking whole
+modules (one engine or server per module stays one; both integrations' suites are one unit). Each worker is pinned to a core of its own, so pagedrag's thread
+default (one thread per physical core it may run on: worker/cpu_threads.py) gives it one
+thread, and the servers, ranks and notebook kernels it starts inherit that core. Measured on
+2 cores: two one-thread workers beat one two-thread process, because most steps here are
+small operators where a second thread costs more in wake-ups than it computes (RESULTS.md,
+"The test suite on 2 cores"). The longest modules are handed out first so that none of them
+starts last and runs alone.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import pytest
 
@@ -16,9 +29,37 @@ FAST_MODULES = frozenset({
     "test_kernels", "test_kv_tier_stores", "test_kv_tiers", "test_request_isolation", "test_sampler",
     "test_sampling_extras", "test_schema_keywords", "test_tools",
 })
+# what runs longest on 2 cores (--durations, 2026-12-02), longest first: each is handed to a
+# worker before the rest, so that none of them starts last and runs alone
+LONGEST_GROUPS = ("test_notebook", "integrations", "test_fuzz_server", "test_structured_outputs",
+                  "test_chunk_reuse", "test_server_shutdown", "test_server_structured", "test_kernels")
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The unit a worker runs whole: a module, or both integrations' suites together (they share
+    engines and one ``pagedrag serve`` per process: integrations/testing_support.py)."""
+    return "integrations" if "integrations" in item.path.parts else item.path.stem
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and hasattr(os, "sched_setaffinity"):
+        _pin_to_one_core(int(worker.removeprefix("gw")))
+
+
+def _pin_to_one_core(worker_index: int) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) > 1:
+        os.sched_setaffinity(0, {cpus[worker_index % len(cpus)]})
+        os.environ["OMP_NUM_THREADS"] = "1"  # torch code outside an engine (HF references), subprocesses
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.stem not in FAST_MODULES:
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+    rank = {name: index for index, name in enumerate(LONGEST_GROUPS)}
+    items.sort(key=lambda item: rank.get(xdist_group_of(item), len(rank)))  # stable: file order kept otherwise

@@ -72,7 +72,9 @@ def test_notebook_runs_and_canonical_order_raises_the_hit_rate(build_notebook, t
     questions = int(os.environ.get("PAGEDRAG_NOTEBOOK_QUESTIONS", "12"))
     monkeypatch.setenv("PAGEDRAG_NOTEBOOK_QUESTIONS", str(questions))
     notebook = build_notebook.build()  # from the source, as CI reviews it
-    build_notebook.execute(notebook)  # raises CellExecutionError, with the traceback, if a cell fails
+    # raises CellExecutionError, with the traceback, if a cell fails; no cell takes minutes alone,
+    # an hour means the kernel hangs (a deadline that load cannot reach: two suites share 2 cores)
+    build_notebook.execute(notebook, timeout=3600)
 
     results = json.loads((tmp_path / "results.json").read_text())
     print(f"\nnotebook ran in {results['runtime_s']:.0f} s")

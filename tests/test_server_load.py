@@ -106,7 +106,7 @@ def _wait_idle(engine, timeout: float = 60.0) -> dict:
 
 
 def test_load_with_aborts(server, engine):
-    alone = {prompt: httpx.post(server.base_url + "/v1/completions", json=_body(prompt, False), timeout=60).json()
+    alone = {prompt: httpx.post(server.base_url + "/v1/completions", json=_body(prompt, False), timeout=HARD_TIMEOUT_S).json()
              for prompt in PROMPTS}
     before = _counters(server.base_url)
 

@@ -41,6 +41,10 @@ from pagedrag.core.block_hash import BlockHash, chunk_block_hashes, chunk_key, h
 from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 from pagedrag.core.request import PromptSegment, Request
 
+QUESTION_WINDOW = 0
+"""Imported tokens nearest the end of the prompt recomputed on top of each chunk's share (below
+a recompute fraction of 1): the last ones before the question (ChunkCache._with_question_window)."""
+
 
 @dataclass(frozen=True, slots=True)
 class KVMove:
@@ -54,11 +58,14 @@ class KVMove:
 
 @dataclass(frozen=True, slots=True)
 class Recompute:
-    """``count`` tokens of the imported chunk at positions [start, end) to compute again."""
+    """Tokens of the imported chunk at positions [start, end) to compute again: ``count`` picked
+    by the strategy (worker.recompute_selection) among its first end - start - ``tail``, and its
+    last ``tail`` (the question window, ChunkCache.question_window). count + tail <= end - start."""
 
     start: int
     end: int
     count: int
+    tail: int = 0
 
 
 @dataclass(slots=True)
@@ -75,7 +82,7 @@ class ChunkPlan:
 
     @property
     def num_recomputed(self) -> int:
-        return sum(item.count for item in self.recompute)
+        return sum(item.count + item.tail for item in self.recompute)
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +121,7 @@ class ChunkCache:
         self.recompute_fraction = recompute_fraction
         self.model_id = model_id
         self.min_chunk_tokens = block_size  # shorter chunks are cheaper to compute than to track
+        self.question_window = QUESTION_WINDOW if recompute_fraction < 1 else 0
         self.stats = ChunkCacheStats()
         self._held: dict[str, _Held] = {}
         # chunk key (first block hash) -> the key of the segment it was computed after; at most
@@ -202,17 +210,29 @@ class ChunkCache:
             blocks = self.lookup(request, index)
             if blocks is None:
                 continue
-            count = self._recompute_count_of(request, index)
             _add_run(runs, position, segment.start)
-            if count:
-                recompute.append(Recompute(segment.start, segment.end, count))
+            recompute.append(Recompute(segment.start, segment.end, self._recompute_count_of(request, index)))
             imported.append((index, blocks))
-            num_imported += segment.end - segment.start - count
             position = segment.end
         if not imported:
             return None
         _add_run(runs, position, request.num_tokens)
+        recompute = [item for item in self._with_question_window(recompute) if item.count or item.tail]
+        num_imported = sum(request.segments[index].end - request.segments[index].start
+                           for index, _ in imported) - sum(item.count + item.tail for item in recompute)
         return ChunkPlan(runs, recompute, imported, num_imported)
+
+    def _with_question_window(self, recompute: list[Recompute]) -> list[Recompute]:
+        """The imported chunks (in prompt order) with their last tokens, the ``question_window``
+        imported tokens nearest the end of the prompt (where the question is), marked for
+        recompute: the question attends most to what is just before it. Tokens the strategy
+        already recomputes are not counted twice; a chunk imported whole gets its share too."""
+        left, marked = self.question_window, []
+        for item in reversed(recompute):
+            tail = min(left, item.end - item.start - item.count)
+            left -= tail
+            marked.append(Recompute(item.start, item.end, item.count, tail))
+        return marked[::-1]
 
     def hold_sources(self, request: Request, plan: ChunkPlan) -> None:
         """Take a reference on the plan's cached blocks until the step ran."""

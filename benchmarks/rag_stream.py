@@ -12,13 +12,20 @@ the docstrings of the standard library's public modules (``inspect.getdoc`` of e
 
     stream = rag_stream()            # [(question, [chunk, ...top_k]), ...], 2 * NUM_CHUNKS
     stream = rag_stream(top_k=8, corpus="stdlib")
+    save_streams(path, top_k=8)      # both corpora, for a machine without MiniLM
+    streams = load_streams(path)     # {"pydoc": stream, "stdlib": stream}
 """
 
 from __future__ import annotations
 
+import json
+import platform
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
+CORPORA = ("pydoc", "stdlib")
+STREAMS_FORMAT = 1
 NUM_CHUNKS = 88
 TOP_K = 5
 MAX_CHUNK_CHARS = 700
@@ -114,3 +121,21 @@ def rag_stream(seed: int = 0, top_k: int = TOP_K, corpus: str = "pydoc") -> list
     stream = [(question, [chunks[i] for i in row]) for question, row in zip(questions, ranked)]
     random.Random(seed).shuffle(stream)
     return stream
+
+
+def save_streams(path: Path, top_k: int) -> None:
+    """Both corpora's streams (``top_k`` chunks a question; a smaller k is their first k) as
+    JSON, for a machine without MiniLM; the stdlib corpus is this Python's, named in the file."""
+    streams = {corpus: [[question, [[c.source_id, c.text] for c in chunks]]
+                        for question, chunks in rag_stream(top_k=top_k, corpus=corpus)] for corpus in CORPORA}
+    path.write_text(json.dumps({"format": STREAMS_FORMAT, "top_k": top_k, "python": platform.python_version(),
+                                "streams": streams}, ensure_ascii=False))
+
+
+def load_streams(path: Path) -> dict[str, list[tuple[str, list[Chunk]]]]:
+    """The streams save_streams wrote, by corpus (refusing another format)."""
+    saved = json.loads(path.read_text())
+    if saved.get("format") != STREAMS_FORMAT:
+        raise ValueError(f"{path} is not a stream file of format {STREAMS_FORMAT}")
+    return {corpus: [(question, [Chunk(*chunk) for chunk in chunks]) for question, chunks in stream]
+            for corpus, stream in saved["streams"].items()}

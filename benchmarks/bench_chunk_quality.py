@@ -99,7 +99,7 @@ class ArmSpec:
 
 @dataclass
 class Figures:
-    """One arm on one stream (rates over the prompts that reused a chunk)."""
+    """One arm on one stream (rates over the prompts that imported a chunk)."""
 
     computed: float
     reused: int
@@ -111,11 +111,11 @@ class Figures:
 
 
 class ForcedLogProbs:
-    """The log-probs at the last KL_POSITIONS + 1 .. 2 rows of every request that completes
-    its prompt in a step while ``on`` (a teacher-forced prompt ends with KL_POSITIONS answer
-    tokens: those rows predict the answer's first KL_POSITIONS tokens). Keeps which row ends
-    which request from the step's layout, and reads those rows of the forward pass's hidden
-    states (eager or a CUDA graph's)."""
+    """The log-probs at the KL_POSITIONS rows before the last one of every request that
+    completes its prompt in a step while ``on``: a teacher-forced prompt ends with KL_POSITIONS
+    answer tokens, so those rows predict them. Keeps which row ends which request from the
+    step's layout, and reads those rows of the forward pass's hidden states (eager or a CUDA
+    graph's)."""
 
     def __init__(self, llm: LLM):
         runner = llm.llm_engine.runner

@@ -15,9 +15,11 @@ salt, head tokens, chunk tokens). Those blocks live in the prefix cache's pool a
   the same segment it was computed after (``_computed_after``) is imported whole: its KV
   already attends to that neighbour. Which ones the model runner decides
   (``Recompute``; worker.recompute_selection): the tokens whose KV deviates most at an early
-  layer (as CacheBlend does), or the chunk's first ones (as EPIC does). The chunk's other
-  tokens keep the KV of the prompt it was first computed in: an approximation, measured in
-  benchmarks/RESULTS.md.
+  layer (as CacheBlend does), or the chunk's first ones (as EPIC does). Below a fraction of
+  1, the last ``question_window`` imported tokens before the question are recomputed too,
+  whichever chunks they belong to (the question attends most to what is just before it).
+  The chunks' other tokens keep the KV of the prompt they were first computed in: an
+  approximation, measured in benchmarks/RESULTS.md.
 - Export: when a request computes a reusable chunk in full (not imported), its KV is copied,
   after that step's forward pass, into fresh blocks (keys rotated back to position 0), which
   are then registered under the chunk's hashes.
@@ -41,11 +43,6 @@ from pagedrag.core.block_hash import BlockHash, chunk_block_hashes, chunk_key, h
 from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 from pagedrag.core.request import PromptSegment, Request
 
-QUESTION_WINDOW = 0
-"""Imported tokens nearest the end of the prompt recomputed on top of each chunk's share (below
-a recompute fraction of 1): the last ones before the question (ChunkCache._with_question_window)."""
-
-
 @dataclass(frozen=True, slots=True)
 class KVMove:
     """Copy the K/V at ``src_slots`` to ``dst_slots`` (flat slots: block id * block_size +
@@ -60,7 +57,7 @@ class KVMove:
 class Recompute:
     """Tokens of the imported chunk at positions [start, end) to compute again: ``count`` picked
     by the strategy (worker.recompute_selection) among its first end - start - ``tail``, and its
-    last ``tail`` (the question window, ChunkCache.question_window). count + tail <= end - start."""
+    last ``tail`` (the question window, ChunkCache._with_question_window). count + tail <= end - start."""
 
     start: int
     end: int
@@ -115,13 +112,16 @@ class _Held:
 
 
 class ChunkCache:
-    def __init__(self, pool: BlockPool, block_size: int, recompute_fraction: float, model_id: str):
+    def __init__(self, pool: BlockPool, block_size: int, recompute_fraction: float, model_id: str,
+                 question_window: int = 0):
         self.pool = pool
         self.block_size = block_size
         self.recompute_fraction = recompute_fraction
         self.model_id = model_id
         self.min_chunk_tokens = block_size  # shorter chunks are cheaper to compute than to track
-        self.question_window = QUESTION_WINDOW if recompute_fraction < 1 else 0
+        # imported tokens just before the question recomputed on top of each chunk's share
+        # (EngineArgs.chunk_recompute_window); at a fraction of 1 every token is recomputed anyway
+        self.question_window = question_window if recompute_fraction < 1 else 0
         self.stats = ChunkCacheStats()
         self._held: dict[str, _Held] = {}
         # chunk key (first block hash) -> the key of the segment it was computed after; at most
@@ -202,7 +202,7 @@ class ChunkCache:
         """The plan for a request whose first ``num_prefix_tokens`` tokens are prefix hits, or
         None when no chunk of it is cached (it is then computed as usual). Changes nothing."""
         runs: list[tuple[int, int]] = []
-        recompute, imported, num_imported = [], [], 0
+        recompute, imported = [], []
         position = num_prefix_tokens
         for index, segment in enumerate(request.segments):
             if segment.start < num_prefix_tokens or not self.reusable(request, index):

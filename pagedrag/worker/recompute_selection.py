@@ -2,7 +2,7 @@
 
 Each imported chunk (``Recompute``) gets ``count`` tokens recomputed with the full context,
 picked among all but its last ``tail`` tokens, and those ``tail`` tokens (the ones nearest the
-question; core.chunk_cache.QUESTION_WINDOW):
+question; EngineArgs.chunk_recompute_window):
 
 - "deviation" (as CacheBlend does): the model first runs its first PROBE_LAYERS layers over
   the request's whole uncomputed span, imported tokens included. The imported tokens whose

@@ -31,8 +31,9 @@ NO_CACHE_ENGINE_KWARGS = {**ENGINE_KWARGS, "enable_prefix_caching": False, "max_
 # on CPU the KV pool is 10% of the available memory (gpu_memory_utilization is a GPU's)
 VLLM_KWARGS = {"enable_prefix_caching": True, "max_model_len": 1024, "gpu_memory_utilization": 0.88}
 # The chunk-reuse tests' engine, without the flag (each test gives it its own way): a small
-# pool is enough for a few RAG prompts
-CHUNK_REUSE_POOL_KWARGS = {**ENGINE_KWARGS, "kv_cache_memory_bytes": 256 << 20}
+# pool is enough for a few RAG prompts; no question window, which would recompute the tests'
+# short chunks just before the question whole (no chunk hits left to check)
+CHUNK_REUSE_POOL_KWARGS = {**ENGINE_KWARGS, "kv_cache_memory_bytes": 256 << 20, "chunk_recompute_window": 0}
 CHUNK_REUSE_TOP_K = 3
 RAG_MODULES = ("json", "pathlib", "random", "statistics")
 RAG_QUERIES = (

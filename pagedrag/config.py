@@ -75,6 +75,8 @@ class EngineArgs:
     chunk_recompute_strategy: str = _arg("first", "which tokens of a reused chunk are computed again: "
                                                   "first (its first ones, as EPIC) or deviation (those whose KV "
                                                   "moves most at an early layer, as CacheBlend)")
+    chunk_recompute_window: int = _arg(128, "with enable_chunk_reuse, below a recompute fraction of 1: the last "
+                                            "imported tokens before the question computed again too (0: none)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps so decodes keep running")
     preemption_mode: str = _arg("recompute", "what a full pool does to the newest request: recompute "
                                              "(free its blocks) or swap (copy them to CPU memory)")
@@ -128,6 +130,9 @@ class EngineArgs:
              f"chunk_recompute_fraction must be a number in [0, 1], got {self.chunk_recompute_fraction!r}"),
             (self.chunk_recompute_strategy in ("deviation", "first"),
              f"chunk_recompute_strategy must be deviation or first, got {self.chunk_recompute_strategy!r}"),
+            (isinstance(self.chunk_recompute_window, int) and not isinstance(self.chunk_recompute_window, bool)
+             and self.chunk_recompute_window >= 0,
+             f"chunk_recompute_window must be a whole number of tokens >= 0, got {self.chunk_recompute_window!r}"),
             (self.enable_prefix_caching or not self.enable_chunk_reuse,
              "enable_chunk_reuse needs enable_prefix_caching: reused chunks live in the prefix cache's pool"),
             (self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}"),

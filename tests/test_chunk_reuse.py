@@ -7,15 +7,18 @@ are the full prefill's token for token; with chunk reuse off prompt_segments cha
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from pagedrag import LLM, SamplingParams
+from pagedrag.core.chunk_cache import ChunkCache, Recompute
 from pagedrag.kernels import reference
 from pagedrag.rag.canonical import REUSABLE_CHUNK_TEMPLATE, PromptCanonicalizer
 from pagedrag.rag.corpus import stdlib_chunks
 from pagedrag.worker.chunk_moves import rotate_keys
+from pagedrag.worker.recompute_selection import first_tokens
 
 ENGINE = {"max_model_len": 2048, "kv_cache_memory_bytes": 192 << 20}
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -59,7 +62,7 @@ def test_segments_without_chunk_reuse_are_the_whole_prompt(exact):
 
 
 def test_reuse_counts_add_up_and_the_prefix_cache_stays_exact():
-    llm = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_fraction=0.0)
+    llm = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_fraction=0.0, chunk_recompute_window=0)
     first, second = (c.text + "\n" for c in stdlib_chunks(max_chars=400, limit=2))
     outputs = _run(llm, [[SYSTEM, first, second, "Question: which module?\nAnswer:"],
                          [SYSTEM, second, first, "Question: which class?\nAnswer:"]])
@@ -75,7 +78,7 @@ def test_reuse_counts_add_up_and_the_prefix_cache_stays_exact():
 
 
 def test_a_chunk_after_the_segment_it_was_computed_after_is_imported_whole():
-    llm = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_fraction=0.5)
+    llm = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_fraction=0.5, chunk_recompute_window=0)
     first, second, third = (c.text + "\n" for c in stdlib_chunks(max_chars=400, limit=3))
     question = "Question: which module?\nAnswer:"
     _run(llm, [[SYSTEM, first, second, question]])
@@ -85,6 +88,24 @@ def test_a_chunk_after_the_segment_it_was_computed_after_is_imported_whole():
     length = len(llm.get_tokenizer().encode(first, add_special_tokens=False))
     assert moved.num_recomputed_tokens == pytest.approx(length / 2, abs=2)
     assert moved.num_chunk_hit_tokens > length  # `second` came in too, none of it recomputed
+
+
+def test_the_tokens_just_before_the_question_are_recomputed():
+    llm = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_fraction=0.0, chunk_recompute_window=24)
+    first, second = (c.text + "\n" for c in stdlib_chunks(max_chars=400, limit=2))
+    _run(llm, [[SYSTEM, first, second, "Question: which module?\nAnswer:"]])
+    moved = _run(llm, [[SYSTEM, second, first, "Question: which class?\nAnswer:"]])[0]
+    assert moved.num_recomputed_tokens == 24  # the end of `first`, now just before the question
+    assert moved.num_chunk_hit_tokens > 24
+
+
+def test_the_question_window_reaches_back_over_short_chunks():
+    """The window's tokens are counted from the question back, across chunk boundaries, on
+    top of what the strategy picks and never twice."""
+    cache = SimpleNamespace(question_window=10)
+    marked = ChunkCache._with_question_window(cache, [Recompute(0, 8, 2), Recompute(8, 14, 0)])
+    assert marked == [Recompute(0, 8, 2, 4), Recompute(8, 14, 0, 6)]
+    assert first_tokens(marked) == [0, 1, 4, 5, 6, 7, *range(8, 14)]
 
 
 def test_chunk_reuse_survives_preemption_and_aborts():

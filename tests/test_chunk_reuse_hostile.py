@@ -45,6 +45,7 @@ def _pool_is_whole(llm: LLM) -> None:
     {"chunk_recompute_fraction": float("nan")}, {"chunk_recompute_fraction": "0.5"},
     {"chunk_recompute_fraction": True}, {"chunk_recompute_fraction": None},
     {"chunk_recompute_strategy": "FIRST"}, {"chunk_recompute_strategy": None},
+    {"chunk_recompute_window": -1}, {"chunk_recompute_window": 1.5}, {"chunk_recompute_window": True},
     {"enable_chunk_reuse": "no"}, {"enable_chunk_reuse": 1},
 ])
 def test_bad_chunk_reuse_arguments_are_refused_by_name(bad):

@@ -75,7 +75,7 @@ def test_chunk_reuse_through_the_disk_tier(tiny, tmp_path):
     head, first, second, tail = tokens[:32], tokens[32:80], tokens[80:120], [9, 10, 11, 12, 13]
     def prompt(*segments):
         return {"prompt_segments": [{"token_ids": list(s)} for s in segments]}
-    engine = {**ENGINE, "enable_chunk_reuse": True}
+    engine = {**ENGINE, "enable_chunk_reuse": True, "chunk_recompute_window": 0}  # `first` stays imported
     computing = LLM(str(path), kv_disk_path=tmp_path, **engine)
     computing.generate(prompt(head, first, tail), GREEDY, use_tqdm=False)
     from_pool = computing.generate(prompt(head, second, first, tail), GREEDY, use_tqdm=False)[0]

@@ -43,7 +43,8 @@ CHUNK_COUNTERS = ("pagedrag:chunk_cache_hits_total", "pagedrag:chunk_tokens_reco
 
 @pytest.fixture(scope="module")
 def local() -> EngineClient:
-    return connect(engine_kwargs={**ENGINE_KWARGS, "enable_chunk_reuse": True})
+    # no question window: it would recompute these short chunks whole (no chunk hits to check)
+    return connect(engine_kwargs={**ENGINE_KWARGS, "enable_chunk_reuse": True, "chunk_recompute_window": 0})
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +122,9 @@ def _question(chunks: list[str], question: str) -> list[dict]:
 def test_chunk_reuse_flags():
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    args = cli.engine_args_from(parser.parse_args(["--enable-chunk-reuse", "--chunk-recompute-fraction", "0.2"]))
-    assert args.enable_chunk_reuse and args.chunk_recompute_fraction == 0.2
+    args = cli.engine_args_from(parser.parse_args(["--enable-chunk-reuse", "--chunk-recompute-fraction", "0.2",
+                                                   "--chunk-recompute-window", "64"]))
+    assert args.enable_chunk_reuse and args.chunk_recompute_fraction == 0.2 and args.chunk_recompute_window == 64
     assert not cli.engine_args_from(parser.parse_args([])).enable_chunk_reuse
 
 

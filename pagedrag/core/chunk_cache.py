@@ -15,9 +15,11 @@ salt, head tokens, chunk tokens). Those blocks live in the prefix cache's pool a
   the same segment it was computed after (``_computed_after``) is imported whole: its KV
   already attends to that neighbour. Which ones the model runner decides
   (``Recompute``; worker.recompute_selection): the tokens whose KV deviates most at an early
-  layer (as CacheBlend does), or the chunk's first ones (as EPIC does). The chunk's other
-  tokens keep the KV of the prompt it was first computed in: an approximation, measured in
-  benchmarks/RESULTS.md.
+  layer (as CacheBlend does), or the chunk's first ones (as EPIC does). Below a fraction of
+  1, the last ``question_window`` imported tokens before the question are recomputed too,
+  whichever chunks they belong to (the question attends most to what is just before it).
+  The chunks' other tokens keep the KV of the prompt they were first computed in: an
+  approximation, measured in benchmarks/RESULTS.md.
 - Export: when a request computes a reusable chunk in full (not imported), its KV is copied,
   after that step's forward pass, into fresh blocks (keys rotated back to position 0), which
   are then registered under the chunk's hashes.
@@ -41,7 +43,6 @@ from pagedrag.core.block_hash import BlockHash, chunk_block_hashes, chunk_key, h
 from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 from pagedrag.core.request import PromptSegment, Request
 
-
 @dataclass(frozen=True, slots=True)
 class KVMove:
     """Copy the K/V at ``src_slots`` to ``dst_slots`` (flat slots: block id * block_size +
@@ -54,11 +55,14 @@ class KVMove:
 
 @dataclass(frozen=True, slots=True)
 class Recompute:
-    """``count`` tokens of the imported chunk at positions [start, end) to compute again."""
+    """Tokens of the imported chunk at positions [start, end) to compute again: ``count`` picked
+    by the strategy (worker.recompute_selection) among its first end - start - ``tail``, and its
+    last ``tail`` (the question window, ChunkCache._with_question_window). count + tail <= end - start."""
 
     start: int
     end: int
     count: int
+    tail: int = 0
 
 
 @dataclass(slots=True)
@@ -75,7 +79,7 @@ class ChunkPlan:
 
     @property
     def num_recomputed(self) -> int:
-        return sum(item.count for item in self.recompute)
+        return sum(item.count + item.tail for item in self.recompute)
 
     @property
     def num_tokens(self) -> int:
@@ -108,12 +112,16 @@ class _Held:
 
 
 class ChunkCache:
-    def __init__(self, pool: BlockPool, block_size: int, recompute_fraction: float, model_id: str):
+    def __init__(self, pool: BlockPool, block_size: int, recompute_fraction: float, model_id: str,
+                 question_window: int = 0):
         self.pool = pool
         self.block_size = block_size
         self.recompute_fraction = recompute_fraction
         self.model_id = model_id
         self.min_chunk_tokens = block_size  # shorter chunks are cheaper to compute than to track
+        # imported tokens just before the question recomputed on top of each chunk's share
+        # (EngineArgs.chunk_recompute_window); at a fraction of 1 every token is recomputed anyway
+        self.question_window = question_window if recompute_fraction < 1 else 0
         self.stats = ChunkCacheStats()
         self._held: dict[str, _Held] = {}
         # chunk key (first block hash) -> the key of the segment it was computed after; at most
@@ -194,7 +202,7 @@ class ChunkCache:
         """The plan for a request whose first ``num_prefix_tokens`` tokens are prefix hits, or
         None when no chunk of it is cached (it is then computed as usual). Changes nothing."""
         runs: list[tuple[int, int]] = []
-        recompute, imported, num_imported = [], [], 0
+        recompute, imported = [], []
         position = num_prefix_tokens
         for index, segment in enumerate(request.segments):
             if segment.start < num_prefix_tokens or not self.reusable(request, index):
@@ -202,17 +210,29 @@ class ChunkCache:
             blocks = self.lookup(request, index)
             if blocks is None:
                 continue
-            count = self._recompute_count_of(request, index)
             _add_run(runs, position, segment.start)
-            if count:
-                recompute.append(Recompute(segment.start, segment.end, count))
+            recompute.append(Recompute(segment.start, segment.end, self._recompute_count_of(request, index)))
             imported.append((index, blocks))
-            num_imported += segment.end - segment.start - count
             position = segment.end
         if not imported:
             return None
         _add_run(runs, position, request.num_tokens)
+        recompute = [item for item in self._with_question_window(recompute) if item.count or item.tail]
+        num_imported = sum(request.segments[index].end - request.segments[index].start
+                           for index, _ in imported) - sum(item.count + item.tail for item in recompute)
         return ChunkPlan(runs, recompute, imported, num_imported)
+
+    def _with_question_window(self, recompute: list[Recompute]) -> list[Recompute]:
+        """The imported chunks (in prompt order) with their last tokens, the ``question_window``
+        imported tokens nearest the end of the prompt (where the question is), marked for
+        recompute: the question attends most to what is just before it. Tokens the strategy
+        already recomputes are not counted twice; a chunk imported whole gets its share too."""
+        left, marked = self.question_window, []
+        for item in reversed(recompute):
+            tail = min(left, item.end - item.start - item.count)
+            left -= tail
+            marked.append(Recompute(item.start, item.end, item.count, tail))
+        return marked[::-1]
 
     def hold_sources(self, request: Request, plan: ChunkPlan) -> None:
         """Take a reference on the plan's cached blocks until the step ran."""

@@ -47,9 +47,9 @@ class SwapPlan:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_cpu_blocks: int = 0, chunk_reuse: tuple[float, str] | None = None,
+                 num_cpu_blocks: int = 0, chunk_reuse: tuple[float, str, int] | None = None,
                  tiers: KVTiers | None = None):
-        """``chunk_reuse``: (recompute fraction, model id) to reuse chunks (core.chunk_cache);
+        """``chunk_reuse``: (recompute fraction, model id, question window) to reuse chunks (core.chunk_cache);
         ``tiers``: the KV stores below the pool (core.tier_loads)."""
         self.block_size = block_size
         self.enable_caching = enable_caching

@@ -73,7 +73,8 @@ class LLMEngine:
         self.shape = side.shape
         self.num_blocks = side.num_blocks
         num_cpu_blocks = side.num_cpu_blocks
-        chunk_reuse = (args.chunk_recompute_fraction, self.model_name) if args.enable_chunk_reuse else None
+        chunk_reuse = ((args.chunk_recompute_fraction, self.model_name, args.chunk_recompute_window)
+                       if args.enable_chunk_reuse else None)
         self.tiers = build_tiers(args, loaded.module, self.shape, self.device)
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks,
                                  chunk_reuse, self.tiers)

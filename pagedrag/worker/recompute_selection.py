@@ -1,6 +1,8 @@
 """Which tokens of reused chunks the model computes again (chunk reuse: core.chunk_cache).
 
-Each imported chunk (``Recompute``) gets ``count`` tokens recomputed with the full context:
+Each imported chunk (``Recompute``) gets ``count`` tokens recomputed with the full context,
+picked among all but its last ``tail`` tokens, and those ``tail`` tokens (the ones nearest the
+question; EngineArgs.chunk_recompute_window):
 
 - "deviation" (as CacheBlend does): the model first runs its first PROBE_LAYERS layers over
   the request's whole uncomputed span, imported tokens included. The imported tokens whose
@@ -21,7 +23,8 @@ PROBE_LAYERS = 2
 
 
 def first_tokens(recompute: list[Recompute]) -> list[int]:
-    return [p for item in recompute for p in range(item.start, item.start + item.count)]
+    return [p for item in recompute for p in (*range(item.start, item.start + item.count),
+                                              *range(item.end - item.tail, item.end))]
 
 
 def candidate_positions(recompute: list[Recompute]) -> list[int]:
@@ -29,14 +32,15 @@ def candidate_positions(recompute: list[Recompute]) -> list[int]:
 
 
 def most_deviating(deviation: list[float], recompute: list[Recompute]) -> list[int]:
-    """The ``count`` positions of each chunk with the largest deviation; ``deviation`` lists
-    every candidate position (candidate_positions order)."""
+    """The ``count`` positions of each chunk with the largest deviation, outside its ``tail``,
+    and its tail; ``deviation`` lists every candidate position (candidate_positions order)."""
     picked, offset = [], 0
     for item in recompute:
         length = item.end - item.start
         scores = deviation[offset:offset + length]
-        ranked = sorted(range(length), key=scores.__getitem__, reverse=True)
+        ranked = sorted(range(length - item.tail), key=scores.__getitem__, reverse=True)
         picked.extend(item.start + i for i in ranked[:item.count])
+        picked.extend(range(item.end - item.tail, item.end))
         offset += length
     return picked
 

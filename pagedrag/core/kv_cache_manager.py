@@ -168,6 +168,15 @@ class KVCacheManager:
                             request.token_ids[start:start + self.block_size])
         self.num_offered[request.request_id] = max(num_full, self.num_offered.get(request.request_id, 0))
 
+    def release_unused(self, request: Request) -> None:
+        """Free, tail first, the blocks past the request's known tokens (slots reserved for
+        drafted tokens the verifier rejected)."""
+        table = self.tables.get(request.request_id, [])
+        keep = blocks_for(request.num_tokens, self.block_size)
+        if len(table) > keep:
+            self.pool.free(list(reversed(table[keep:])))
+            del table[keep:]
+
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (copy-on-write on first write)."""
         blocks = list(self.tables[parent.request_id])

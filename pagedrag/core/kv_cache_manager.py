@@ -10,6 +10,10 @@ Invariants:
   the block is copied: the copy is queued in ``pending_copies`` as (src, dst) and
   must run before the step's forward pass.
 - Only blocks below a request's ``exact_prefix_len`` (chunk reuse) go to the prefix cache.
+- Slots reserved for drafted tokens (speculative decoding) hold KV that counts only once
+  the verifier accepts it (num_computed_tokens grows then); after verification the blocks
+  past the request's known tokens are freed (``release_unused``), and only verified tokens
+  are ever hashed (block hashes cover ``token_ids``, which drafts never enter).
 - Once every request is freed, every block is free again.
 """
 

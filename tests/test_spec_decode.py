@@ -17,6 +17,8 @@ from pagedrag import LLM, SamplingParams
 from pagedrag.config import EngineArgs
 from pagedrag.core.request import Request
 from pagedrag.server.cli import add_arguments, engine_args_from
+from pagedrag.spec_decode.config import SpeculativeConfig
+from pagedrag.spec_decode.drafter import Drafter
 from pagedrag.spec_decode.ngram import NgramIndex
 from pagedrag.spec_decode.suffix import ContinuationCounts, GlobalIndex, SuffixProposer
 
@@ -163,7 +165,7 @@ def test_sampled_distribution_unchanged(tiny):
     config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
               "disable_by_batch_size": 1000}
     for speculative in (None, config):
-        llm = make_llm(path, speculative, max_num_seqs=300, seed=5)
+        llm = make_llm(path, speculative, max_num_seqs=300, seed=5, num_gpu_blocks_override=1024)
         outputs = generate(llm, [prompt] * 300, temperature=1.0, max_tokens=4, allowed_token_ids=alphabet)
         counts.append(torch.tensor(token_ids(outputs)))
         if speculative:
@@ -265,3 +267,17 @@ def test_suffix_global_index_is_bounded_in_tokens_and_forgets_exactly():
     fresh = ContinuationCounts(3)
     fresh.add([5, 6, 7])
     assert index.counts.counts == fresh.counts  # uncounting left no trace of the first
+
+
+def test_draft_limit_follows_recent_acceptance():
+    drafter = Drafter(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 8}))
+    request = Request("r", [1, 2, 3], SamplingParams(), 16)
+    limits = []
+    for drafted, accepted in [(8, 2), (3, 3), (6, 6), (1, 1), (8, 0)]:
+        drafter.record(request, drafted, accepted)
+        limits.append(drafter.limits["r"])
+    assert limits == [3, 6, 8, 8, 1]
+    assert request.spec_decode.num_drafts == 5 and request.spec_decode.num_accepted_tokens == 12
+    assert request.spec_decode.num_accepted_tokens_per_pos == [4, 3, 2, 1, 1, 1]
+    drafter.finish(request)
+    assert "r" not in drafter.limits

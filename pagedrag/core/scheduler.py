@@ -225,10 +225,13 @@ class Scheduler:
 
     def _reserve(self, request: Request, num_new: int, draft: list[int], out: SchedulerOutput) -> list[int] | None:
         """Allocate the request's slots, preempting the newest running requests while the pool
-        is short; a draft's slots are taken only when they fit without preempting. Returns the
-        draft kept ([] when none), None when the request itself was preempted."""
+        is short. A draft's slots are kept only if a free block remains for every running
+        request's next token, so that drafting never preempts anyone. Returns the draft kept
+        ([] when none), None when the request itself was preempted."""
         if draft and self.kv.allocate_slots(request, num_new + len(draft)):
-            return draft
+            if self.kv.pool.num_free >= len(self.running):
+                return draft
+            self.kv.release_unused(request)  # back to the slots of its known tokens
         while not self.kv.allocate_slots(request, num_new):
             victim = self.running[-1]
             self._preempt(victim, out)

@@ -7,8 +7,9 @@ Gates (drafting must not cost where it does not pay):
   tokens before they are verified: such rows decode one token a step, as without
   speculation);
 - each request's draft limit follows its recent acceptance: it starts at
-  num_speculative_tokens, doubles (up to that) after a fully accepted draft and drops to
-  one more than the tokens accepted after a rejection.
+  num_speculative_tokens; after a rejection it drops to one more than the tokens accepted,
+  and after a fully accepted draft it grows to twice that draft's length (never shrinking,
+  never above num_speculative_tokens).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class Drafter:
             request.spec_decode = SpecDecodeCounts()
         request.spec_decode.record(num_drafted, num_accepted)
         full = self.config.num_speculative_tokens
-        self.limits[request.request_id] = min(full, 2 * num_drafted) if num_accepted == num_drafted \
+        limit = self.limits.get(request.request_id, full)
+        self.limits[request.request_id] = min(full, max(limit, 2 * num_drafted)) if num_accepted == num_drafted \
             else num_accepted + 1
 
     def finish(self, request: Request) -> None:

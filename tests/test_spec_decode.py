@@ -9,6 +9,7 @@ import argparse
 import pytest
 import torch
 from prometheus_client import generate_latest
+from pydantic import ValidationError
 from scipy.stats import chi2_contingency
 from transformers import AutoModelForCausalLM
 
@@ -17,6 +18,7 @@ from pagedrag import LLM, SamplingParams
 from pagedrag.config import EngineArgs
 from pagedrag.core.request import Request
 from pagedrag.server.cli import add_arguments, engine_args_from
+from pagedrag.server.protocol import CompletionRequest
 from pagedrag.spec_decode.config import SpeculativeConfig
 from pagedrag.spec_decode.drafter import Drafter
 from pagedrag.spec_decode.ngram import NgramIndex
@@ -229,6 +231,14 @@ def test_config_through_the_cli_and_refused_combinations():
         EngineArgs(speculative_config=NGRAM, async_scheduling=True)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineArgs(speculative_config=NGRAM, tensor_parallel_size=2)
+
+
+def test_the_opt_out_over_http_is_a_strict_boolean():
+    request = CompletionRequest.model_validate({"prompt": "hi", "speculative_decoding": False})
+    assert request.sampling_params().speculative_decoding is False
+    assert CompletionRequest.model_validate({"prompt": "hi"}).sampling_params().speculative_decoding is True
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": "hi", "speculative_decoding": "no"})
 
 
 def test_ngram_index_is_incremental_and_finds_the_latest_longest_match():

@@ -232,6 +232,7 @@ HOSTILE_CASES = (
     HostileCase("bad_words=lone_surrogate", COMPLETIONS, _hello(bad_words=["\udc80"]), BAD),
     HostileCase("truncate_prompt_tokens=0", COMPLETIONS, _hello(truncate_prompt_tokens=0), BAD),
     HostileCase("prompt_logprobs=1000", COMPLETIONS, _hello(prompt_logprobs=1000), BAD),
+    HostileCase("speculative_decoding=string", COMPLETIONS, _hello(speculative_decoding="no"), BAD),
     HostileCase("cache_salt=lone_surrogate", COMPLETIONS,
                 {"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "cache_salt": "\ud800"}, CLEAN),
     HostileCase("chat_template=3M_string", CHAT, _template(HUGE_TEMPLATE), BAD),
@@ -398,7 +399,7 @@ def _sampling_fields() -> dict[str, st.SearchStrategy]:
         "min_tokens": st.integers(0, 1), "include_stop_str_in_output": st.booleans(),
         "skip_special_tokens": st.booleans(), "stream": st.booleans(),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-        "cache_salt": st.text(max_size=8), "user": st.text(max_size=8),
+        "cache_salt": st.text(max_size=8), "user": st.text(max_size=8), "speculative_decoding": st.booleans(),
     }
 
 

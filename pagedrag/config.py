@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 from dataclasses import dataclass, field, fields
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from pagedrag.models.lowbit.methods import check_quantization
+from pagedrag.spec_decode.config import SpeculativeConfig
 
 # On CPU there is no "device memory": unless kv_cache_memory_bytes is given, the
 # pool takes this share of the memory the OS reports available at start.
@@ -103,12 +105,18 @@ class EngineArgs:
                                               "llama3_json or smollm2; default: from the chat template")
     enable_auto_tool_choice: bool = _arg(True, "let the model decide whether to call a tool (tool_choice "
                                                "auto); off: only none, required or a named function")
+    speculative_config: dict | None = _arg(None, "speculative decoding drafted from the context, as a dict or "
+                                                 "JSON object with vLLM's keys: method ngram or suffix, "
+                                                 "num_speculative_tokens, prompt_lookup_min/max, "
+                                                 "suffix_decoding_*, disable_by_batch_size; default: off")
 
     def __post_init__(self) -> None:
         if self.model is not None:
             self.model = os.fspath(self.model)
         if isinstance(self.kv_disk_path, os.PathLike):
             self.kv_disk_path = os.fspath(self.kv_disk_path)
+        if isinstance(self.speculative_config, str):  # the JSON text of --speculative-config
+            self.speculative_config = json.loads(self.speculative_config)
         self._validate()
 
     def _validate(self) -> None:
@@ -175,6 +183,24 @@ class EngineArgs:
             if not ok:
                 raise ValueError(message)
         check_quantization(self.quantization)
+        self._validate_speculation()
+
+    def _validate_speculation(self) -> None:
+        """Speculative decoding reads each step's tokens before scheduling the next (how many
+        drafts were accepted decides the next step), and runs on one rank for now."""
+        if self.speculative_config is None:
+            return
+        self.speculative()
+        if self.async_scheduling:
+            raise ValueError("speculative_config needs synchronous scheduling: leave async_scheduling unset "
+                             "or False")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("speculative_config runs on one rank; it cannot be combined with "
+                             f"tensor_parallel_size={self.tensor_parallel_size} yet")
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The validated speculative_config (None: no speculative decoding)."""
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def uses_kv_tiers(self) -> bool:
@@ -208,9 +234,10 @@ class EngineArgs:
 
     def resolved_async_scheduling(self, device: torch.device) -> bool:
         """Whether a step's tokens are read back during the next step: by default only on
-        CUDA, where the device works while the host does the bookkeeping."""
+        CUDA, where the device works while the host does the bookkeeping, and never with
+        speculative decoding."""
         if self.async_scheduling is None:
-            return device.type == "cuda"
+            return device.type == "cuda" and self.speculative_config is None
         return self.async_scheduling
 
     def resolved_max_num_batched_tokens(self, max_model_len: int, device: torch.device) -> int:

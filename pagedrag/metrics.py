@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagedrag.outputs import RequestMetrics
+from pagedrag.outputs import RequestMetrics, SpecDecodeCounts
 
 METRICS_PREFIXES = ("pagedrag", "vllm")
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -60,6 +60,7 @@ class EngineMetrics:
                                            _REQUEST_BUCKETS)
         self.num_prompt_tokens = self.num_generation_tokens = 0  # totals, for stats()
         self._tiers = TierMetrics(self.registry, prefix, model_name)
+        self._spec = SpecDecodeMetrics(self.registry, prefix, model_name)
         self._success = Counter(f"{prefix}:request_success", "Requests finished, by finished_reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
 
@@ -80,6 +81,10 @@ class EngineMetrics:
     def observe_tiers(self, snapshot: dict) -> None:
         """The KV tiers' figures (kv_tiers.KVTiers.snapshot), after every step."""
         self._tiers.observe(snapshot)
+
+    def observe_spec_decode(self, counts: SpecDecodeCounts) -> None:
+        """Speculative decoding's running totals (spec_decode.drafter), after every step."""
+        self._spec.observe(counts)
 
     def observe_prompt(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)
@@ -117,6 +122,33 @@ class EngineMetrics:
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
         return Histogram(f"{self._prefix}:{name}", doc, ["model_name"], buckets=buckets,
                          registry=self.registry).labels(self._model)
+
+
+class SpecDecodeMetrics:
+    """Speculative decoding's counters, with vLLM's names: spec_decode_num_drafts,
+    _num_draft_tokens, _num_accepted_tokens, and _num_accepted_tokens_per_pos by position."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str, model_name: str):
+        def counter(name, doc, labels=()):
+            return Counter(f"{prefix}:spec_decode_{name}", doc, ["model_name", *labels], registry=registry)
+
+        self._model = model_name
+        self._totals = {"num_drafts": counter("num_drafts", "Verification steps that carried a draft."),
+                        "num_draft_tokens": counter("num_draft_tokens", "Tokens drafted."),
+                        "num_accepted_tokens": counter("num_accepted_tokens", "Drafted tokens accepted.")}
+        self._per_pos = counter("num_accepted_tokens_per_pos", "Drafted tokens accepted, by position in the draft.",
+                                ["position"])
+        self._reported = SpecDecodeCounts()
+
+    def observe(self, counts: SpecDecodeCounts) -> None:
+        for name, series in self._totals.items():
+            series.labels(model_name=self._model).inc(getattr(counts, name) - getattr(self._reported, name))
+        reported = self._reported.num_accepted_tokens_per_pos
+        for position, total in enumerate(counts.num_accepted_tokens_per_pos):
+            before = reported[position] if position < len(reported) else 0
+            self._per_pos.labels(model_name=self._model, position=str(position)).inc(total - before)
+        self._reported = SpecDecodeCounts(counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens,
+                                          list(counts.num_accepted_tokens_per_pos))
 
 
 class TierMetrics:

@@ -16,6 +16,36 @@ class Logprob:
 
 
 @dataclass
+class SpecDecodeCounts:
+    """Speculative decoding's figures, with vLLM's names: verification steps that carried a
+    draft, tokens drafted, drafted tokens accepted, and (engine-wide) accepted tokens by their
+    position in the draft. Mean acceptance length = tokens a drafting step emitted, on average
+    (the accepted ones plus the one the target model adds)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        """One verified draft of ``num_drafted`` tokens, of which the first ``num_accepted`` were kept."""
+        self.merge(SpecDecodeCounts(1, num_drafted, num_accepted, [1] * num_accepted))
+
+    def merge(self, other: SpecDecodeCounts) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
+        for position, count in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[position] += count
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
 class CompletionOutput:
     """One of a request's n completions. text and token_ids are cumulative."""
 
@@ -71,3 +101,5 @@ class RequestOutput:
     num_tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     # with SamplingParams(prompt_logprobs=k): per prompt token (None for the first), as vLLM's
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # speculative decoding, summed over the request's completions (None: nothing was drafted)
+    spec_decode: SpecDecodeCounts | None = None

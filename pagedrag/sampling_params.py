@@ -54,6 +54,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
     structured_outputs: StructuredOutputsParams | dict | None = None  # the output's shape (a grammar)
     guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name for structured_outputs
+    # pagedrag's extension: False keeps this request from drafting when the engine has a speculative_config
+    speculative_decoding: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,7 +90,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             check_float(name, getattr(self, name))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative_decoding"):
             check_bool(name, getattr(self, name))
         for token_id in self.stop_token_ids:
             check_int("stop_token_ids", token_id)

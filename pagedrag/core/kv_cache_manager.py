@@ -10,6 +10,10 @@ Invariants:
   the block is copied: the copy is queued in ``pending_copies`` as (src, dst) and
   must run before the step's forward pass.
 - Only blocks below a request's ``exact_prefix_len`` (chunk reuse) go to the prefix cache.
+- Slots reserved for drafted tokens (speculative decoding) hold KV that counts only once
+  the verifier accepts it (num_computed_tokens grows then); after verification the blocks
+  past the request's known tokens are freed (``release_unused``), and only verified tokens
+  are ever hashed (block hashes cover ``token_ids``, which drafts never enter).
 - Once every request is freed, every block is free again.
 """
 
@@ -167,6 +171,15 @@ class KVCacheManager:
             self.pool.cache(table[index], request.block_hashes[index],
                             request.token_ids[start:start + self.block_size])
         self.num_offered[request.request_id] = max(num_full, self.num_offered.get(request.request_id, 0))
+
+    def release_unused(self, request: Request) -> None:
+        """Free, tail first, the blocks past the request's known tokens (slots reserved for
+        drafted tokens the verifier rejected)."""
+        table = self.tables.get(request.request_id, [])
+        keep = blocks_for(request.num_tokens, self.block_size)
+        if len(table) > keep:
+            self.pool.free(list(reversed(table[keep:])))
+            del table[keep:]
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (copy-on-write on first write)."""

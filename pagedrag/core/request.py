@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedrag.core.block_hash import BlockHash, extend_block_hashes
-from pagedrag.outputs import Logprob, RequestMetrics
+from pagedrag.outputs import Logprob, RequestMetrics, SpecDecodeCounts
 from pagedrag.sampling_params import SamplingParams
 
 
@@ -85,6 +85,7 @@ class Request:
     # KV tiers (core.tier_loads): looked up below the pool once; prompt tokens loaded from each tier
     tier_queried: bool = False
     num_tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    spec_decode: SpecDecodeCounts | None = None  # speculative decoding's drafts and acceptances (spec_decode)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def __post_init__(self) -> None:

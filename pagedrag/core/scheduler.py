@@ -11,7 +11,10 @@ Each step the scheduler
 A prompt longer than the remaining budget is split over steps (chunked prefill).
 A request whose in-flight sampled token (asynchronous scheduling) is certainly its
 last gets no tokens: it ends once that token is read (``_ends_with_inflight_token``).
-After the model ran the step, ``update_after_step`` records what it computed.
+With speculative decoding (a ``drafter``) a decode also carries the tokens drafted after
+its last one, when their slots fit without preempting anyone (``_reserve``).
+After the model ran the step, ``update_after_step`` records what it computed, and
+``accept_drafts`` what the verifier kept of each draft.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pagedrag.core.chunk_cache import ChunkPlan, KVMove, Recompute
 from pagedrag.core.kv_cache_manager import KVCacheManager, SwapPlan
 from pagedrag.core.block_pool import KVBlock
 from pagedrag.core.request import Request, RequestStatus
+from pagedrag.spec_decode.drafter import Drafter
 
 
 @dataclass(slots=True)
@@ -39,8 +43,15 @@ class ScheduledRequest:
     in them. ``imports`` bring those chunks into the table before the forward pass;
     ``exports`` save the chunks this step completes after it.
 
+    ``draft`` (speculative decoding) are tokens proposed after the request's known ones, fed
+    after them; their slots are part of ``num_new_tokens`` and their KV is only kept once the
+    verifier accepts them (``Scheduler.accept_drafts``). A drafted decode is one run, computed
+    as a short causal prefill over the cached context (on a 2-core CPU with 700 cached tokens
+    this beat one decode-attention run per token, which gathers the context once per token).
+
     ``completes_sequence`` is fixed when the request is scheduled: True when, after the
-    step, every token of the request has KV, so it gets a logits row and samples.
+    step, every token of the request (and of its draft) has KV, so it gets logits rows (one,
+    plus one per drafted token) and samples.
     """
 
     request: Request
@@ -50,13 +61,14 @@ class ScheduledRequest:
     imports: list[KVMove] = field(default_factory=list)
     recompute: list[Recompute] = field(default_factory=list)
     exports: list[KVMove] = field(default_factory=list)
+    draft: list[int] = field(default_factory=list)
     completes_sequence: bool = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.runs:
             begin = self.request.num_computed_tokens
             self.runs = [(begin, begin + self.num_new_tokens)]
-        self.completes_sequence = self.end == self.request.num_tokens
+        self.completes_sequence = self.end == self.request.num_tokens + len(self.draft)
 
     @property
     def end(self) -> int:
@@ -81,16 +93,18 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
-    def completing(self) -> list[Request]:
-        """The requests that sample this step; the i-th owns row i of the step's logits."""
-        return [item.request for item in self.scheduled if item.completes_sequence]
+    def completing(self) -> list[ScheduledRequest]:
+        """The requests that sample this step, in the order of their rows in the step's logits
+        (1 + len(draft) rows each)."""
+        return [item for item in self.scheduled if item.completes_sequence]
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, preemption_mode: str = "recompute",
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, drafter: Drafter | None = None):
         self.kv = kv
+        self.drafter = drafter
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -121,6 +135,8 @@ class Scheduler:
             if request in queue:
                 queue.remove(request)
         self.kv.free(request)
+        if self.drafter is not None:
+            self.drafter.finish(request)
         request.metrics.finished_time = time.monotonic()
 
     # ---- one step -----------------------------------------------------------
@@ -141,9 +157,10 @@ class Scheduler:
         """After the model ran ``step``: each scheduled request has KV for its new tokens, and
         its newly full blocks go to the prefix cache. An error in one request's caching is
         passed to ``on_error(request, error)`` at once (which fails that request alone); the
-        others are updated all the same."""
+        others are updated all the same. Drafted tokens do not count as computed until the
+        verifier accepts them (``accept_drafts``)."""
         for item in step.scheduled:
-            item.request.num_computed_tokens = item.end
+            item.request.num_computed_tokens = item.end - len(item.draft)
             try:
                 self.kv.cache_blocks(item.request)
                 if self.kv.chunks is not None:
@@ -151,12 +168,20 @@ class Scheduler:
             except Exception as error:
                 on_error(item.request, error)
 
+    def accept_drafts(self, request: Request, num_accepted: int) -> None:
+        """After verification, the request's tokens (the accepted drafted ones and the one
+        sampled after them) are appended: the accepted ones' KV is kept and cached, and the
+        blocks that only held rejected ones are freed (their slots are written again later)."""
+        request.num_computed_tokens += num_accepted
+        self.kv.release_unused(request)
+        self.kv.cache_blocks(request)
+
     def _scheduled(self, request: Request, num_new_tokens: int, plan: ChunkPlan | None = None,
-                   imports: list[KVMove] | None = None) -> ScheduledRequest:
+                   imports: list[KVMove] | None = None, draft: list[int] | None = None) -> ScheduledRequest:
         """The step's share of a request whose slots are allocated (its table is final), with
         the exports of the reusable chunks it completes."""
         item = ScheduledRequest(request, num_new_tokens, self.kv.block_ids(request), plan.runs if plan else [],
-                                imports or [], plan.recompute if plan else [])
+                                imports or [], plan.recompute if plan else [], draft=draft or [])
         if self.kv.chunks is not None and request.segments and request.num_computed_tokens < request.num_prompt_tokens:
             item.exports = self.kv.chunks.plan_exports(request, request.num_computed_tokens, item.end,
                                                        self.kv.tables[request.request_id])
@@ -172,23 +197,47 @@ class Scheduler:
         return budget if self.enable_chunked_prefill else 0
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        index = 0
+        index, batch_size = 0, len(self.running)
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = 0 if self._ends_with_inflight_token(request) else self._chunk(request, budget)
             if num_new == 0:
                 index += 1
                 continue
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is request:
-                    break
-            else:
-                out.scheduled.append(self._scheduled(request, num_new))
-                budget -= num_new
+            draft = self._reserve(request, num_new, self._draft(request, num_new, budget, batch_size), out)
+            if draft is not None:
+                out.scheduled.append(self._scheduled(request, num_new + len(draft), draft=draft))
+                budget -= num_new + len(draft)
                 index += 1
         return budget
+
+    def _draft(self, request: Request, num_new: int, budget: int, batch_size: int) -> list[int]:
+        """The drafter's tokens for a decode (one new token, known), within what the request's
+        max_tokens and max_model_len and the step's budget leave room for after it."""
+        if self.drafter is None or num_new != 1:  # (never with asynchronous scheduling: EngineArgs)
+            return []
+        room = budget - 1
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - request.num_output_tokens - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - request.num_tokens - 1)
+        return self.drafter.draft(request, room, batch_size)
+
+    def _reserve(self, request: Request, num_new: int, draft: list[int], out: SchedulerOutput) -> list[int] | None:
+        """Allocate the request's slots, preempting the newest running requests while the pool
+        is short. A draft's slots are kept only if a free block remains for every running
+        request's next token, so that drafting never preempts anyone. Returns the draft kept
+        ([] when none), None when the request itself was preempted."""
+        if draft and self.kv.allocate_slots(request, num_new + len(draft)):
+            if self.kv.pool.num_free >= len(self.running):
+                return draft
+            self.kv.release_unused(request)  # back to the slots of its known tokens
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+        return []
 
     def _ends_with_inflight_token(self, request: Request) -> bool:
         """True when the token still on the device (asynchronous scheduling) is certainly the

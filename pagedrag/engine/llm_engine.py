@@ -26,14 +26,16 @@ from pagedrag.metrics import EngineMetrics
 from pagedrag.engine.stats_log import StatsLog
 from pagedrag.engine.output_processor import (RequestGroup, StopPolicy, mark_first_token, new_sequence_text,
                                record_logprobs, record_prompt_logprobs, update_text)
-from pagedrag.outputs import RequestOutput
+from pagedrag.outputs import RequestOutput, SpecDecodeCounts
 from pagedrag.engine.recovery import EngineDeadError, Probation, is_device_failure
 from pagedrag.kv_tiers.build import build_tiers
 from pagedrag.core.request import Request, RequestStatus
 from pagedrag.sampling_params import SamplingParams
+from pagedrag.spec_decode.drafter import Drafter
 from pagedrag.worker.device_side import build_device_side
 from pagedrag.worker.kv_cache import log_pool
 from pagedrag.worker.model_runner import InflightTokens, SamplingRow
+from pagedrag.worker.rejection_sampler import Verified, VerifyRow
 from pagedrag.worker.sampler import Sample
 
 logger = logging.getLogger("pagedrag")
@@ -78,9 +80,12 @@ class LLMEngine:
         self.tiers = build_tiers(args, loaded.module, self.shape, self.device)
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks,
                                  chunk_reuse, self.tiers)
+        speculative = args.speculative()
+        self.drafter = None if speculative is None else Drafter(speculative)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs,
                                    args.resolved_max_num_batched_tokens(self.max_model_len, self.device),
-                                   args.enable_chunked_prefill, args.preemption_mode, self.max_model_len)
+                                   args.enable_chunked_prefill, args.preemption_mode, self.max_model_len,
+                                   self.drafter)
         self.runner = side.runner
         self.async_scheduling = args.resolved_async_scheduling(self.device)
         self._inflight: InflightTokens | None = None  # the last step's tokens, not yet read
@@ -218,7 +223,9 @@ class LLMEngine:
         for request, first_token, samples in logits.prompt:
             record_prompt_logprobs(request, first_token, samples, self._decode_token)
         touched = self._complete(previous) if previous else set()
-        sampled = self.runner.sample(logits.sampling, self._sampling_plan(step))
+        plan, verifying = self._sampling_plan(step)
+        sampled = self.runner.sample(logits.sampling, plan)
+        touched |= self._complete_verified(self.runner.verify(logits.sampling, verifying))
         if sampled is not None and not asynchronous:
             touched |= self._complete(sampled)
         else:
@@ -290,21 +297,28 @@ class LLMEngine:
         output.error = f"the request failed in an engine step and was aborted: {error!r}"
         self._failed_outputs.append(output)
 
-    def _sampling_plan(self, step: SchedulerOutput) -> list[SamplingRow]:
+    def _sampling_plan(self, step: SchedulerOutput) -> tuple[list[SamplingRow], list[VerifyRow]]:
         """A row for every sequence that samples this step: each request of ``step.completing``
-        (its logits row is its index there), then its n > 1 siblings, forked now that its
-        prompt is computed, on the same row. A request that finished meanwhile (asynchronous
-        scheduling: its previous token stopped it) leaves its row unsampled."""
-        plan = []
-        for row, request in enumerate(step.completing):
+        (its logits rows follow those of the requests before it), then its n > 1 siblings,
+        forked now that its prompt is computed, on the same row; and the requests whose draft
+        is verified (speculative decoding: never one that forks, as it decodes). A request that
+        finished meanwhile (asynchronous scheduling: its previous token stopped it) leaves its
+        row unsampled."""
+        plan, verifying, next_row = [], [], 0
+        for item in step.completing:
+            request, row = item.request, next_row
+            next_row += 1 + len(item.draft)
             if request.is_finished:
+                continue
+            if item.draft:
+                verifying.append(VerifyRow(request, row, item.draft))
                 continue
             plan.append(SamplingRow(request, row))
             n = request.params.n
             siblings = [self._fork(request, index) for index in range(n - request.pending_forks, n)]
             request.pending_forks = 0
             plan.extend(SamplingRow(sibling, row) for sibling in siblings)
-        return plan
+        return plan, verifying
 
     def _fork(self, parent: Request, index: int) -> Request:
         """Completion ``index`` of an n > 1 request: shares the parent's blocks (copy-on-write)."""
@@ -325,6 +339,26 @@ class LLMEngine:
                 continue
             try:
                 self._after_token(seq, sample)
+            except Exception as error:
+                self._fail_request(seq, error)
+            moved.add(seq.group_id)
+        return moved
+
+    def _complete_verified(self, results: list[Verified]) -> set[str]:
+        """Emit each verified request's tokens in order until one ends it (a stop, EOS or
+        max_tokens inside the accepted run drops the rest); a request that goes on keeps its
+        accepted tokens' KV (Scheduler.accept_drafts). Returns the groups that moved."""
+        moved = set()
+        for result in results:
+            seq = result.request
+            self.drafter.record(seq, result.num_drafted, result.num_accepted)
+            try:
+                for sample in result.samples:
+                    self._after_token(seq, sample)
+                    if seq.is_finished:
+                        break
+                else:
+                    self.scheduler.accept_drafts(seq, result.num_accepted)
             except Exception as error:
                 self._fail_request(seq, error)
             moved.add(seq.group_id)
@@ -358,6 +392,8 @@ class LLMEngine:
         self._observe_pool()
         self.metrics.preemptions.inc(len(step.preempted))
         self.metrics.observe_cache(self._cache_totals())
+        if self.drafter is not None:
+            self.metrics.observe_spec_decode(self.drafter.stats)
         if self.tiers is not None:
             self.metrics.observe_tiers(self.tiers.snapshot())
         if self.stats_log is not None:
@@ -398,6 +434,7 @@ class LLMEngine:
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_requests_swapped": len(self.scheduler.swapped),
             **({} if self.tiers is None else {"kv_tiers": self.tiers.snapshot()}),
+            **({} if self.drafter is None else _spec_decode_stats(self.drafter.stats)),
             "max_model_len": self.max_model_len,
             "prompt_tokens": self.metrics.num_prompt_tokens,
             "generation_tokens": self.metrics.num_generation_tokens,
@@ -416,6 +453,14 @@ def _advance_grammar(seq: Request) -> RequestStatus | None:
         raise ValueError(f"token {token} does not fit the request's structured output: its other sampling "
                          "constraints (allowed_token_ids, logit_bias, bad_words) left no token the grammar allows")
     return RequestStatus.FINISHED_STOPPED if seq.grammar.is_terminated() else None
+
+
+def _spec_decode_stats(counts: SpecDecodeCounts) -> dict:
+    """stats()'s speculative decoding figures, with vLLM's metric names."""
+    return {"spec_decode_num_drafts": counts.num_drafts, "spec_decode_num_draft_tokens": counts.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": counts.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(counts.num_accepted_tokens_per_pos),
+            "spec_decode_mean_acceptance_length": counts.mean_acceptance_length}
 
 
 def _decode_one(tokenizer, token: int) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedrag.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from pagedrag.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedrag.outputs import CompletionOutput, Logprob, RequestOutput, SpecDecodeCounts
 from pagedrag.core.request import Request, RequestStatus
 
 
@@ -44,13 +44,25 @@ class RequestGroup:
                              self.finished, max(first.num_cached_tokens, 0), first.metrics,
                              prompt_logprobs=first.prompt_logprobs, num_chunk_hit_tokens=first.num_chunk_hit_tokens,
                              num_recomputed_tokens=first.num_recomputed_tokens,
-                             num_tier_hit_tokens=dict(first.num_tier_hit_tokens))
+                             num_tier_hit_tokens=dict(first.num_tier_hit_tokens),
+                             spec_decode=_spec_decode_counts(self.sequences))
 
     def _completion(self, seq: Request) -> CompletionOutput:
         finish = seq.status.value if seq.is_finished else None
         return CompletionOutput(seq.index, self.texts[seq.request_id].text, list(seq.output_token_ids),
                                 seq.cumulative_logprob, None if seq.logprobs is None else list(seq.logprobs),
                                 finish, seq.stop_reason)
+
+
+def _spec_decode_counts(sequences: list[Request]) -> SpecDecodeCounts | None:
+    """The drafts of every sequence of a request, summed (None: none drafted)."""
+    counted = [seq.spec_decode for seq in sequences if seq.spec_decode is not None]
+    if not counted:
+        return None
+    total = SpecDecodeCounts()
+    for counts in counted:
+        total.merge(counts)
+    return total
 
 
 class StopPolicy:

@@ -29,6 +29,11 @@ class StatsLog:
                     (prompt - self._last_prompt) / elapsed, (generated - self._last_generated) / elapsed,
                     stats["num_requests_running"], stats["num_requests_waiting"],
                     100 * stats["kv_cache_usage_perc"], 100 * stats["prefix_cache_hit_rate"])
+        if "spec_decode_num_drafts" in stats:
+            logger.info("speculative decoding since start: mean acceptance length %.2f, accepted %d of %d "
+                        "drafted tokens",
+                        stats["spec_decode_mean_acceptance_length"], stats["spec_decode_num_accepted_tokens"],
+                        stats["spec_decode_num_draft_tokens"])
         if "kv_tiers" in stats:
             logger.info("KV tiers: %s", _tiers_line(stats["kv_tiers"]))
         self._last_time, self._last_prompt, self._last_generated = now, prompt, generated

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import types
 import typing
@@ -98,6 +99,8 @@ def _add_engine_flag(group: argparse._ArgumentGroup, field: dataclasses.Field, h
         help_text += f" (default: {field.default})"
     if kind is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+    elif kind is dict:
+        group.add_argument(flag, type=json.loads, default=field.default, metavar="JSON", help=help_text)
     else:
         group.add_argument(flag, type=kind, default=field.default, help=help_text)
 

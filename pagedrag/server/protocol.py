@@ -132,6 +132,7 @@ class SamplingRequest(StrictRequest):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # only xgrammar (or auto) is served
     prompt_chunks: list[str] | None = Field(None, max_length=MAX_PROMPT_CHUNKS)  # pagedrag's: see the module doc
+    speculative_decoding: bool = True  # pagedrag's: false keeps the request from drafting (speculative_config)
 
     @model_validator(mode="before")
     @classmethod
@@ -144,7 +145,8 @@ class SamplingRequest(StrictRequest):
 
     @field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
-                     "include_stop_str_in_output", "skip_special_tokens", "stream", mode="before")
+                     "include_stop_str_in_output", "skip_special_tokens", "stream", "speculative_decoding",
+                     mode="before")
     @classmethod
     def _null_means_default(cls, value: Any, info) -> Any:
         return cls.model_fields[info.field_name].default if value is None else value
@@ -182,7 +184,7 @@ class SamplingRequest(StrictRequest):
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs,
-            structured_outputs=self.structured_outputs_params())
+            structured_outputs=self.structured_outputs_params(), speculative_decoding=self.speculative_decoding)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The request's output constraint, from whichever one field gave it (ValueError for

@@ -5,7 +5,9 @@ or with chunk reuse the ranges around the chunks it imports), each run attending
 sequence of its own over the request's block table: input_ids and positions packed run
 after run, each token's cache slot (slot_mapping), the block tables, the context lengths
 after the run, and the packed offsets (query_start_loc). Logits are computed only at the last token of
-requests whose every token has KV after the step (``step.completing``: those sample).
+requests whose every token has KV after the step (``step.completing``: those sample), and, for a
+request that carries a draft (speculative decoding), at each drafted token too: a row of logits
+for every token the verifier may emit.
 
 The step's device work is a ``DevicePlan`` of host data (block moves, the packed token
 layout, chunk exports): under tensor parallelism rank 0 broadcasts it and every rank runs
@@ -41,6 +43,7 @@ from pagedrag.worker.recompute_selection import candidate_positions, first_token
 from pagedrag.worker.cuda_graphs import StepGraphs
 from pagedrag.worker.kv_cache import KVCacheTensors
 from pagedrag.worker.prompt_logprobs import PromptRows, prompt_rows, prompt_samples
+from pagedrag.worker.rejection_sampler import Verified, VerifyRow, verify
 from pagedrag.worker.sampler import Sample, Sampler, SamplerOutput, SamplingBatch, unpack_samples
 from pagedrag.worker.transfer import device_to_host, host_to_device
 
@@ -229,7 +232,7 @@ class ModelRunner:
         wanted_prompt_rows = []
         for item in step.scheduled:
             for begin, end in item.runs:  # each run attends as a sequence of its own
-                known = item.request.token_ids[begin:end]
+                known = item.request.token_ids[begin:end] + item.draft
                 if len(known) < end - begin:  # its in-flight token: filled in on the device
                     out.inflight_rows.append(len(out.input_ids))
                     out.inflight_sources.append(_inflight_row(inflight, item))
@@ -244,7 +247,7 @@ class ModelRunner:
                     out.prompt_rows.extend(wanted.rows)
                 out.starts.append(out.starts[-1] + end - begin)
             if item.completes_sequence:
-                out.logits_rows.append(out.starts[-1] - 1)
+                out.logits_rows.extend(range(out.starts[-1] - 1 - len(item.draft), out.starts[-1]))
         return out, wanted_prompt_rows
 
     def to_device(self, layout: StepLayout, inflight: InflightTokens | None = None) -> StepInputs:
@@ -388,3 +391,9 @@ class ModelRunner:
             fill_masks([r.grammar for r in requests], logits.shape[-1], self.device))
         rows = host_to_device([row.logits_row for row in plan], torch.int64, self.device)
         return InflightTokens.start(requests, self.sampler(logits[rows], batch))
+
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, rows: list[VerifyRow]) -> list[Verified]:
+        """Verify the drafts of ``rows`` against their rows of ``logits`` (from ``execute``);
+        waits for the results (speculative decoding runs with synchronous scheduling)."""
+        return verify(logits, rows, self.eos_token_id) if rows else []

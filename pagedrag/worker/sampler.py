@@ -276,17 +276,17 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` [N, V]."""
-        logits = _process(logits.float(), batch)
+        logits = process_logits(logits.float(), batch)
         greedy_ids = logits.argmax(dim=-1)
         if batch.all_greedy:
             token_ids = greedy_ids
         else:
-            sampled_ids = _sample(_filter(logits, batch), batch.generators)
+            sampled_ids = sample_from(filter_logits(logits, batch), batch.generators)
             token_ids = torch.where(batch.temperatures == 0, greedy_ids, sampled_ids)
-        return _with_logprobs(logits, token_ids, batch)
+        return with_logprobs(logits, token_ids, batch)
 
 
-def _process(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Penalties, logit_bias, allowed_token_ids, the bans and the grammars: the logits that
     logprobs and greedy see."""
     if batch.penalties is not None:
@@ -319,7 +319,7 @@ def _outside_allowed(logits: torch.Tensor, restricted: torch.Tensor, rows: torch
     return blocked
 
 
-def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p; removed tokens get -inf logits."""
     temperatures = torch.where(batch.temperatures == 0, 1.0, batch.temperatures)
     logits = logits / temperatures.unsqueeze(1)
@@ -352,7 +352,7 @@ def _min_p_mask(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return logits < max_logits + min_ps.log().unsqueeze(1)
 
 
-def _sample(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample_from(logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """Exponential race: argmax(probs / E) with E ~ Exp(1) is a draw from probs.
 
     Rows with a generator fill their noise row from it alone, so the row's draw is
@@ -368,7 +368,7 @@ def _sample(logits: torch.Tensor, generators: list[torch.Generator | None]) -> t
     return (probs / noise).argmax(dim=-1)
 
 
-def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Logprob of each sampled token, and the top ones when any row asked for them."""
     log_norm = logits.logsumexp(dim=-1)
     chosen = logits.gather(1, token_ids.unsqueeze(1))

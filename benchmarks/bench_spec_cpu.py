@@ -1,0 +1,107 @@
+"""Speculative decoding on CPU: batch-1 greedy decode speed of the embedded model with and
+without drafting from the context, side by side in one run.
+
+    nice -n 10 python benchmarks/bench_spec_cpu.py [--prompts 5] [--max-tokens 128] [--quantization gguf]
+
+Two workloads: "rag", the RAG prompts of pagedrag.entrypoints.bench (a system prompt, 3-5
+standard-library docstring chunks, a question about one of them; 600-800 tokens), whose
+answers copy their chunks; and "open", short open-ended prompts that copy nothing. Each
+prompt is answered greedily by an engine without speculation, with ``ngram`` and with
+``suffix`` (engines built once, prompts interleaved so that drift hits all alike; the first
+prompt of each workload warms up and is not counted). Decode speed is a request's output
+tokens after the first over the time from its first token to its end. Prints markdown
+tables for benchmarks/RESULTS.md, with each engine's agreement with the one without
+speculation: the share of answer tokens before the first that differs (1.00 in float32; the
+low-bit kernels round a 9-row product differently from a 1-row one, so near-ties can flip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+
+from pagedrag import LLM, SamplingParams
+from pagedrag.entrypoints.bench import rag_requests
+
+CONFIGS = {
+    "off": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+}
+OPEN_PROMPTS = ("Write a short poem about the sea.", "Tell me a story about a robot who learns to paint.",
+                "Describe your ideal weekend.", "What would you do with a million dollars?",
+                "Invent a new board game and explain its rules.", "Write a letter to your future self.")
+
+
+def decode_rate(output) -> float:
+    times = output.metrics
+    return (len(output.outputs[0].token_ids) - 1) / (times.finished_time - times.first_token_time)
+
+
+def workloads(tokenizer, num_prompts: int) -> dict[str, list[str]]:
+    def chat(messages):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    rag = [chat(r.messages()) for r in rag_requests(num_prompts + 1, num_chunk_sets=num_prompts + 1,
+                                                    tokenizer=tokenizer)]
+    open_ended = [chat([{"role": "user", "content": text}]) for text in OPEN_PROMPTS[:num_prompts + 1]]
+    return {"rag": rag, "open": open_ended}
+
+
+def run(engines: dict[str, LLM], prompts: list[str], params: SamplingParams) -> tuple[dict, dict, dict]:
+    """Decode rates by engine (prompts after the first), their mean acceptance lengths, and
+    their agreement with the engine without speculation."""
+    rates, answers = {name: [] for name in engines}, {name: [] for name in engines}
+    before = {name: llm.stats() for name, llm in engines.items()}
+    for index, prompt in enumerate(prompts):
+        for name, llm in engines.items():
+            output = llm.generate(prompt, params, use_tqdm=False)[0]
+            answers[name].append(output.outputs[0].token_ids)
+            if index:
+                rates[name].append(decode_rate(output))
+    acceptance = {name: _acceptance_length(before[name], llm.stats()) for name, llm in engines.items()}
+    return rates, acceptance, {name: _agreement(answers[name], answers["off"]) for name in engines}
+
+
+def _agreement(answers: list[list[int]], references: list[list[int]]) -> float:
+    """The share of reference tokens before the first that differs, over all answers."""
+    agreed = 0
+    for answer, reference in zip(answers, references):
+        agreed += next((i for i, (a, b) in enumerate(zip(answer, reference)) if a != b), len(reference))
+    return agreed / sum(len(reference) for reference in references)
+
+
+def _acceptance_length(before: dict, after: dict) -> float | None:
+    if "spec_decode_num_drafts" not in after:
+        return None
+    drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    return 1 + accepted / drafts if drafts else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--quantization", default=None)
+    args = parser.parse_args()
+    engines = {name: LLM(speculative_config=config, quantization=args.quantization, max_model_len=2048,
+                         kv_cache_memory_bytes=256 << 20) for name, config in CONFIGS.items()}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    print(f"{platform.machine()}, quantization={args.quantization}, {args.prompts} prompts a workload, "
+          f"{args.max_tokens} tokens\n")
+    print("| workload | drafting | decode tok/s (median) | per prompt | vs off | mean acceptance length | "
+          "agreement with off |")
+    print("|---|---|---|---|---|---|---|")
+    for workload, prompts in workloads(engines["off"].get_tokenizer(), args.prompts).items():
+        rates, acceptance, agreement = run(engines, prompts, params)
+        baseline = statistics.median(rates["off"])
+        for name in engines:
+            median = statistics.median(rates[name])
+            length = "-" if acceptance[name] is None else f"{acceptance[name]:.2f}"
+            print(f"| {workload} | {name} | {median:.1f} | {', '.join(f'{r:.1f}' for r in rates[name])} | "
+                  f"{median / baseline:.2f}x | {length} | {agreement[name]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,7 @@ starts last and runs alone.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -54,6 +55,18 @@ def _pin_to_one_core(worker_index: int) -> None:
         os.environ["OMP_NUM_THREADS"] = "1"  # torch code outside an engine (HF references), subprocesses
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def free_each_modules_engines():
+    """After each module, the integrations' shared in-process engines (one per set of engine
+    arguments, kept for the process's life: client/inprocess.py) are shut down and collected:
+    kept, they added up to 12 GB in one worker, and two workers ran out of 24 GB."""
+    yield
+    inprocess = sys.modules.get("pagedrag.client.inprocess")
+    if inprocess is not None:
+        inprocess.shutdown_shared_engines()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -237,3 +237,18 @@ def test_choice_cursor_sends_everything_it_is_given():
     assert (last.text, last.text_start, last.token_ids, last.finish_reason, last.stop_reason) == \
            ("ld", 9, [3, 4], "stop", "!")
     assert cursor.advance(CompletionOutput(0, "Hello world", [1, 2, 3, 4], finish_reason="stop"), False) is None
+
+
+def test_shutdown_shared_engines_frees_them_and_later_clients_load_anew():
+    """Run last in this module: it shuts down the module's shared engine too."""
+    from pagedrag.client import shutdown_shared_engines
+    from pagedrag.engine.recovery import EngineDeadError
+
+    first = connect(engine_kwargs=ENGINE_KWARGS)
+    assert shutdown_shared_engines() >= 1
+    with pytest.raises(EngineDeadError):
+        first.generate("Hello", _greedy(max_tokens=2))
+    second = connect(engine_kwargs=ENGINE_KWARGS)
+    assert second.shared is not first.shared
+    assert second.generate("Hello", _greedy(max_tokens=2)).text
+    assert shutdown_shared_engines() == 1

@@ -111,6 +111,18 @@ def shared_engine(model: str | None, engine_kwargs: dict[str, Any]) -> SharedEng
         return _engines[key]
 
 
+def shutdown_shared_engines() -> int:
+    """Shut down every shared engine and forget it, which frees its weights and KV pool; returns
+    how many there were. Clients made before hold a dead engine (their requests fail with
+    EngineDeadError); clients made after load a new one."""
+    with _engines_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for shared in engines:
+        shared.engine.shutdown()
+    return len(engines)
+
+
 class InProcessClient(EngineClient):
     """A client of a shared in-process engine."""
 

@@ -10,14 +10,14 @@ Cores: scripts/test.sh runs two pytest-xdist workers (``--dist loadgroup``), eac
 modules (one engine or server per module stays one; both integrations' suites are one unit). Each worker is pinned to a core of its own, so pagedrag's thread
 default (one thread per physical core it may run on: worker/cpu_threads.py) gives it one
 thread, and the servers, ranks and notebook kernels it starts inherit that core. Measured on
-2 cores: two one-thread workers beat one two-thread process, because most steps here are
-small operators where a second thread costs more in wake-ups than it computes (RESULTS.md,
-"The test suite on 2 cores"). The longest modules are handed out first so that none of them
-starts last and runs alone.
+2 cores (benchmarks/RESULTS.md, "The test suite on 2 cores"): 10.2 minutes of pytest, where one
+process took 24-25. The longest units are handed out first so that none of them starts last
+and runs alone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -67,8 +67,18 @@ def free_each_modules_engines():
     if inprocess is not None:
         inprocess.shutdown_shared_engines()
     gc.collect()
+    _malloc_trim()
 
 
+def _malloc_trim() -> None:
+    """Give the heap's freed pages back to the system (glibc keeps them otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups off the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.stem not in FAST_MODULES:

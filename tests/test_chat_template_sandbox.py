@@ -54,8 +54,10 @@ def render(renderer, template, conversation=CONVERSATION, kwargs=None):
     return asyncio.run(renderer.render(template, conversation, True, SPECIAL, kwargs or {}))
 
 
-def rejected(renderer, template, match, within_s):
-    """Assert that `template` fails with TemplateError matching `match` within `within_s` seconds."""
+def rejected(renderer, template, match, within_s=10.0):
+    """Assert that `template` fails with TemplateError matching `match` within `within_s` seconds.
+    The message names the check that refused it; the bound is generous (two suites may share
+    the cores) and only catches a render that hangs instead of being refused."""
     start = time.monotonic()
     with pytest.raises(TemplateError, match=match):
         render(renderer, template)
@@ -73,19 +75,19 @@ def test_chatml_renders_as_jinja2_does(renderer):
 
 
 def test_string_repetition_is_refused_before_it_is_built(renderer):
-    rejected(renderer, "{{ 'A ' * 3000000 }}", "max_output_chars", within_s=0.5)
-    rejected(renderer, "{{ [0] * 100000000 }}", "max_output_chars", within_s=0.5)
-    rejected(renderer, "{{ 10 ** 100000000 }}", "max_output_chars", within_s=0.5)
+    rejected(renderer, "{{ 'A ' * 3000000 }}", "max_output_chars")
+    rejected(renderer, "{{ [0] * 100000000 }}", "max_output_chars")
+    rejected(renderer, "{{ 10 ** 100000000 }}", "max_output_chars")
 
 
 def test_output_over_the_limit_is_refused(renderer):
     # No single operator is large: the loops write 2,000,000 characters
     rejected(renderer, "{% for i in range(1000) %}{% for j in range(1000) %}xx{% endfor %}{% endfor %}",
-             "2000000 characters, over the limit of 1000000", within_s=1.0)
+             "2000000 characters, over the limit of 1000000")
 
 
 def test_huge_allocation_fails_on_the_memory_limit(renderer):
-    rejected(renderer, "{{ 'x' | center(3000000000) }}", "memory_headroom_bytes", within_s=1.0)
+    rejected(renderer, "{{ 'x' | center(3000000000) }}", "memory_headroom_bytes")
 
 
 def test_slow_template_is_killed_and_the_loop_keeps_running(renderer):
@@ -123,7 +125,7 @@ def test_slow_template_is_killed_and_the_loop_keeps_running(renderer):
     ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
 ])
 def test_template_errors_become_template_errors(renderer, template, match):
-    rejected(renderer, template, match, within_s=1.0)
+    rejected(renderer, template, match)
 
 
 def test_worker_that_died_is_restarted(renderer):

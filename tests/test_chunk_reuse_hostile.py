@@ -122,7 +122,7 @@ def test_server_refuses_what_it_would_ignore():
     sent with the request, were ignored with a 200; now a 400 names them. An empty segment
     before a chunk is a 200."""
     def post(path: str, body: dict) -> httpx.Response:
-        return httpx.post(server.base_url + path, timeout=120, headers={"Content-Type": "application/json"},
+        return httpx.post(server.base_url + path, timeout=600, headers={"Content-Type": "application/json"},
                           content=json.dumps({"model": "smol", "max_tokens": 2, "temperature": 0, **body}))
 
     chat = [{"role": "user", "content": CHUNKS[0] + "Which module?"}]

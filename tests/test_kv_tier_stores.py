@@ -140,7 +140,7 @@ def test_processes_sharing_a_directory_lose_nothing_and_serve_nothing_wrong(tmp_
                 g = torch.Generator().manual_seed(seed)
                 assert block.token_ids[0] == seed and torch.equal(block.kv, torch.randn(block.kv.shape, generator=g))
                 served += 1
-    assert all(w.wait(timeout=120) == 0 for w in writers)
+    assert all(w.wait(timeout=600) == 0 for w in writers)
     assert _check_every_file(tmp_path) == 120  # every key once, none lost
 
 
@@ -148,7 +148,7 @@ def test_the_budget_holds_across_processes(tmp_path):
     one = len(disk_format.encode(_key(0), KEYSPACE, StoredBlock(tuple(range(16)), torch.zeros(8, 2, 16, 4, 64))))
     budget = 25 * one
     writers = [_writer(tmp_path, start, 40, budget) for start in (0, 1000)]
-    assert all(w.wait(timeout=120) == 0 for w in writers)
+    assert all(w.wait(timeout=600) == 0 for w in writers)
     assert DiskStore(tmp_path, budget, KEYSPACE).used_bytes <= budget
 
 

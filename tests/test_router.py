@@ -152,7 +152,7 @@ def router(tmp_path_factory):
 def _ask(url: str, question: str, stream: bool = False) -> httpx.Response:
     body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0, "stream": stream,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
 
 
 def test_requests_sharing_a_prefix_meet_its_cache(router):

@@ -65,7 +65,7 @@ def open_server(engine):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEYS[0], max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEYS[0], max_retries=0, timeout=600)
 
 
 def _stats(engine) -> dict:
@@ -337,7 +337,7 @@ def test_queue_full_is_503(open_server, engine):
     real_execute = runner.execute
 
     def held_execute(step, *args):
-        gate.wait(timeout=120)
+        gate.wait(timeout=600)
         return real_execute(step, *args)
 
     body = {"prompt": "Count:", "max_tokens": 4, "ignore_eos": True}
@@ -349,7 +349,7 @@ def test_queue_full_is_503(open_server, engine):
             error = _assert_error(_post(open_server.base_url, "/v1/completions", {"prompt": "x"}, key=None), 503)
             assert error["code"] == "queue_full"
             gate.set()
-            assert holder.result(timeout=120).status_code == 200
+            assert holder.result(timeout=600).status_code == 200
     finally:
         gate.set()
         runner.execute = real_execute
@@ -400,7 +400,7 @@ def test_step_failure_fails_only_its_request(server, client, engine):
             error = _assert_error(_post(server.base_url, "/v1/completions",
                                         {"prompt": "x", "max_tokens": 2, "cache_salt": "poison"}), 500)
             assert error["code"] == "request_failed" and "simulated kernel failure" in error["message"]
-            assert canary.result(timeout=120).choices[0].text == expected
+            assert canary.result(timeout=600).choices[0].text == expected
     finally:
         runner.execute = real_execute
     _wait_idle(engine)

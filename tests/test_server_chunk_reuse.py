@@ -65,7 +65,7 @@ def remote(server) -> EngineClient:
 
 @pytest.fixture(scope="module")
 def sdk(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="EMPTY", max_retries=0, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def plain_server():
 def _post(base_url: str, path: str, body) -> httpx.Response:
     """Posted as ASCII JSON, so that a lone surrogate travels as its escape (\\ud800)."""
     return httpx.post(base_url + path, content=json.dumps(body), headers={"Content-Type": "application/json"},
-                      timeout=120)
+                      timeout=600)
 
 
 def _completion(base_url: str, **body) -> dict:
@@ -212,7 +212,7 @@ def test_hostile_bodies_are_400_while_a_good_request_runs(server, sdk, engine):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         running = pool.submit(good)
         answers = list(pool.map(hostile, HOSTILE))
-        assert running.result(timeout=120) == ("length", 24)
+        assert running.result(timeout=600) == ("length", 24)
     for (path, body, field), (status, answer) in zip(HOSTILE, answers):
         assert status == 400, (body, answer)
         assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]

@@ -359,7 +359,8 @@ def range_table(record: dict) -> str:
         values = [v for v in values if v is not None]
         return f"{form(min(values))}-{form(max(values))}" if values else ""
 
-    lines = ["| arm | streams | worst first-token agreement | first-token agreement | exact 8 tokens | exact 32 tokens "
+    lines = ["| arm | streams | worst first-token agreement | first-token agreement "
+             f"| exact {SHORT_ANSWER} tokens | exact {ANSWER_TOKENS} tokens "
              "| mean KL | prompt tokens computed | TTFT vs full prefill |",
              "|---|---|---|---|---|---|---|---|---|",
              f"| full prefill (prefix caching) | {len(record['reference'])} | 100% | 100% | 100% | 100% | 0 | "

@@ -585,8 +585,12 @@ print(f"{len(structured)} structured replies, all valid")
 # the same chunks keep coming back at other places. With `enable_chunk_reuse=True` the engine
 # caches each retrieved chunk's KV on its own and reuses it at any position: the keys are
 # rotated to the new positions and a share of the chunk's tokens (`chunk_recompute_fraction`,
-# 15%, its first ones) is computed again so that it attends to its new neighbours. The rest
-# keeps the KV of the prompt the chunk was first computed in, so the answers are approximate.
+# 15%, its first ones) is computed again so that it attends to its new neighbours, and so are
+# the last `chunk_recompute_window` imported tokens before the question. The rest keeps the KV
+# of the prompt the chunk was first computed in, so the answers are approximate. The default
+# window, 384 tokens, is what held first-token agreement at 90% or more on six measured streams
+# of 3 to 8 chunks (benchmarks/RESULTS.md); these prompts are short, four chunks of about 100
+# tokens, and 384 would recompute every token they import, so this section sets 128.
 #
 # Five of the questions (1, 2, 3, 5 and 6 of section 3: averages, medians, quantiles; their
 # top-4 sets share chunks in other orders) run on two fresh engines, question by question:
@@ -606,7 +610,7 @@ REUSE_QUESTIONS = [1, 2, 3, 5, 6]  # numbers of section 3
 REUSE_KWARGS = {"max_model_len": 2048, "num_gpu_blocks_override": 320}  # room for every prompt: no eviction
 ARMS = {"prefix caching only": {},
         "chunk reuse": {"enable_chunk_reuse": True, "chunk_recompute_fraction": 0.15,
-                        "chunk_recompute_strategy": "first"}}
+                        "chunk_recompute_strategy": "first", "chunk_recompute_window": 128}}
 COUNTERS = ("prompt_tokens_total", "prefix_cache_hits", "chunk_cache_hits", "chunk_tokens_recomputed",
             "prompt_tokens_computed")
 reuse_params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)  # greedy: the arms differ only in the KV

@@ -77,7 +77,7 @@ class EngineArgs:
     chunk_recompute_strategy: str = _arg("first", "which tokens of a reused chunk are computed again: "
                                                   "first (its first ones, as EPIC) or deviation (those whose KV "
                                                   "moves most at an early layer, as CacheBlend)")
-    chunk_recompute_window: int = _arg(128, "with enable_chunk_reuse, below a recompute fraction of 1: the last "
+    chunk_recompute_window: int = _arg(384, "with enable_chunk_reuse, below a recompute fraction of 1: the last "
                                             "imported tokens before the question computed again too (0: none)")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over steps so decodes keep running")
     preemption_mode: str = _arg("recompute", "what a full pool does to the newest request: recompute "

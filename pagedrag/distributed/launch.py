@@ -10,7 +10,9 @@ script's code after ``LLM(...)`` runs on rank 0 only.
 
 Invariants: a worker that exits is noticed by rank 0 at its next collective (a closed
 connection) or plan (its exit code is polled), and raised as TensorParallelFailure naming
-it; stopping never waits on a peer for more than STOP_TIMEOUT_S seconds.
+it; stopping never waits on a peer for more than STOP_TIMEOUT_S seconds; a rank that stops
+holds no process group afterwards (gloo's threads still alive at interpreter exit abort
+the process: "terminate called without an active exception").
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class TensorParallelRanks:
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
-        _leave_groups()
+        _leave_groups(self.group)
 
 
 def start_ranks(args) -> TensorParallelRanks:
@@ -160,7 +162,7 @@ def _join_torchrun(args, size: int, device_type: str) -> TensorParallelRanks:
     if not group.is_driver:
         from pagedrag.distributed.worker import serve
         serve(args, group)
-        _leave_groups()
+        _leave_groups(group)
         raise SystemExit(0)
     return TensorParallelRanks(group, [])
 
@@ -171,9 +173,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _leave_groups() -> None:
-    """destroy_process_group, given STOP_TIMEOUT_S: NCCL teardown after collectives captured in
-    CUDA graphs has been seen to hang, and a stopping engine must not."""
+def _leave_groups(group: TensorParallelGroup) -> None:
+    """destroy_process_group, given STOP_TIMEOUT_S (NCCL teardown after collectives captured in
+    CUDA graphs has been seen to hang, and a stopping engine must not). ``group`` lets go of
+    the process groups first, so that destroy_process_group drops the last references and
+    their threads end within it, not during interpreter exit, where gloo's abort the process."""
+    group.device_group = group.control_group = None
     if not dist.is_initialized():
         return
     leaving = threading.Thread(target=dist.destroy_process_group, daemon=True)

@@ -142,9 +142,9 @@ def test_requests_admitted_together_import_the_chunks_another_computes():
     """A request whose chunk another request computes now waits a step and imports it: the
     batch computes no more than the same prompts run one at a time."""
     prompts = _prompts()
-    one_by_one = LLM(**ENGINE, enable_chunk_reuse=True)
+    one_by_one = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_window=0)
     _run(one_by_one, prompts)
-    together = LLM(**ENGINE, enable_chunk_reuse=True)
+    together = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_window=0)
     outputs = together.generate([{"prompt_segments": p} for p in prompts], GREEDY, use_tqdm=False)
     assert together.stats()["prompt_tokens_computed"] <= one_by_one.stats()["prompt_tokens_computed"]
     assert sum(o.num_chunk_hit_tokens > 0 for o in outputs) >= len(prompts) // 2

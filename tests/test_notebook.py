@@ -104,6 +104,7 @@ def test_notebook_runs_and_canonical_order_raises_the_hit_rate(build_notebook, t
     assert explained["fixed_cached_tokens"] >= 0.8 * explained["prompt_tokens"]
 
     _check_chunk_reuse(results["chunk_reuse"])
+    _check_restart(results["restart"])
 
     for name in FIGURES:
         assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
@@ -149,3 +150,16 @@ def _check_chunk_reuse(reuse):
     assert reuse["first_token_agreement"] == pytest.approx(sum(q["first_token_match"] for q in with_hits) / len(with_hits))
     assert reuse["exact_match_rate"] == pytest.approx(sum(q["exact_match"] for q in with_hits) / len(with_hits))
     assert reuse["first_token_agreement"] >= 0.5  # approximate, not broken (100% in the committed run)
+
+
+def _check_restart(restart):
+    """The same questions on an engine with an empty disk tier, then on a new engine on the same
+    directory: the second loads the full blocks from disk and answers exactly as the first."""
+    cold, warm = restart["runs"]["cold"], restart["runs"]["after a restart"]
+    print("restart", restart["runs"])
+    assert restart["same_answers"]
+    assert cold["prompt_tokens"] == warm["prompt_tokens"] > 0
+    assert cold["disk_hit_tokens"] == 0 < warm["disk_hit_tokens"]
+    assert warm["computed"] <= 0.2 * warm["prompt_tokens"] < cold["computed"]
+    for row in restart["per_question"]["after a restart"]:
+        assert row["disk_hit_tokens"] <= row["cached_tokens"] <= row["prompt_tokens"]

@@ -1,7 +1,8 @@
 """The data-parallel router (pagedrag.router): the affinity policy, the block hashes it
 computes for request bodies (they must be the replica's own), summed metrics, the replica
 command line, and `pagedrag serve --data-parallel-size 2` end to end: requests sharing a
-prefix meet its cache, a killed replica is restarted and no request is lost."""
+prefix meet its cache, a killed replica is restarted and no request is lost, and replicas
+started after a prompt was warmed load its KV from the disk tier they share."""
 
 from __future__ import annotations
 
@@ -127,10 +128,13 @@ def _metric(url: str, name: str) -> dict[str, float]:
 def router(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("router") / "router.log"
+    disk = tmp_path_factory.mktemp("kv-disk")
     env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "pagedrag", "serve", "--data-parallel-size", "2",
-                                    "--port", str(port), "--max-model-len", "1024", "--log-level", "warning"],
+                                    "--port", str(port), "--max-model-len", "1024", "--log-level", "warning",
+                                    "--kv-cache-memory-bytes", str(128 << 20), "--kv-disk-path", str(disk),
+                                    "--kv-disk-size", "1"],
                                    stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
@@ -168,20 +172,54 @@ def test_requests_sharing_a_prefix_meet_its_cache(router):
     assert stats["prefix_cache_hit_rate"] == stats["prefix_cache_hits"] / stats["prefix_cache_queries"]
 
 
+def _replica_pids(process: subprocess.Popen) -> set[int]:
+    """The router's child processes (a killed one stays listed until the router reaps it)."""
+    children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    return {int(child) for child in children}
+
+
+def _wait_for_both_replicas(url: str, process: subprocess.Popen, killed: set[int]) -> None:
+    """Until the router has replaced every killed replica and reports two replicas up."""
+    deadline = time.monotonic() + 240
+    while _replica_pids(process) & killed or httpx.get(url + "/health", timeout=5).json()["replicas_up"] < 2:
+        assert time.monotonic() < deadline, "a killed replica did not come back"
+        time.sleep(0.5)
+
+
 def test_a_killed_replica_is_restarted_and_no_request_is_lost(router):
     url, process = router
-    children = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    children = _replica_pids(process)
     assert len(children) == 2
+    killed = min(children)
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(_ask, url, f"Other question {i}?") for i in range(6)]
         time.sleep(1.0)
-        os.kill(int(children[0]), signal.SIGKILL)
+        os.kill(killed, signal.SIGKILL)
         statuses = [future.result().status_code for future in futures]
     assert statuses == [200] * 6
-    deadline = time.monotonic() + 240
-    while httpx.get(url + "/health", timeout=5).json()["replicas_up"] < 2:
-        assert time.monotonic() < deadline, "the killed replica did not come back"
-        time.sleep(0.5)
+    _wait_for_both_replicas(url, process, {killed})
+
+
+def test_replicas_started_after_a_warm_up_load_its_kv_from_the_shared_disk_tier(router):
+    """POST /v1/warm answers once the disk tier holds the prompt's blocks; both replicas are
+    then killed and restarted (empty pools), and the same prompt is served from the disk,
+    whichever replica takes it: the process that computed it is gone."""
+    url, process = router
+    conversation = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": "Which module reads and writes ZIP archives? " * 8}]
+    warmed = httpx.post(url + "/v1/warm", json={"conversations": [conversation]}, timeout=600)
+    assert warmed.status_code == 200, warmed.text
+    killed = _replica_pids(process)
+    assert len(killed) == 2
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
+    _wait_for_both_replicas(url, process, killed)
+    body = {"max_tokens": 2, "temperature": 0, "messages": conversation}
+    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    assert reply.status_code == 200, reply.text
+    details = reply.json()["usage"]["prompt_tokens_details"]
+    assert details["tier_cache_hits"].get("disk", 0) >= 64, details
+    assert details["cached_tokens"] >= details["tier_cache_hits"]["disk"]
 
 
 def test_the_integrations_reach_the_replicas_through_base_url(router):

@@ -361,22 +361,27 @@ class PromptTokensDetails(BaseModel):
     scheduled: OpenAI's cached_tokens (prefix-cache hits), and pagedrag's chunk-reuse figures
     (0 without --enable-chunk-reuse): chunk_cache_hits (tokens whose KV came from a chunk
     cached at another position), chunk_tokens_recomputed (tokens of reused chunks computed
-    again), prompt_tokens_computed (tokens the model computed, the recomputed ones included).
+    again), prompt_tokens_computed (tokens the model computed, the recomputed ones included),
+    and tier_cache_hits: of cached_tokens, those loaded from a KV tier, by tier (``host``,
+    ``disk``; empty without tiers or without a tier hit).
 
-    Invariant: prompt_tokens = cached_tokens + chunk_cache_hits + prompt_tokens_computed.
+    Invariants: prompt_tokens = cached_tokens + chunk_cache_hits + prompt_tokens_computed;
+    sum(tier_cache_hits.values()) <= cached_tokens.
     """
 
     cached_tokens: int = 0
     chunk_cache_hits: int = 0
     chunk_tokens_recomputed: int = 0
     prompt_tokens_computed: int = 0
+    tier_cache_hits: dict[str, int] = Field(default_factory=dict)
 
     @classmethod
     def of(cls, prompt_tokens: int, cached_tokens: int, chunk_cache_hits: int,
-           chunk_tokens_recomputed: int) -> "PromptTokensDetails":
+           chunk_tokens_recomputed: int, tier_cache_hits: dict[str, int]) -> "PromptTokensDetails":
         return cls(cached_tokens=cached_tokens, chunk_cache_hits=chunk_cache_hits,
                    chunk_tokens_recomputed=chunk_tokens_recomputed,
-                   prompt_tokens_computed=prompt_tokens - cached_tokens - chunk_cache_hits)
+                   prompt_tokens_computed=prompt_tokens - cached_tokens - chunk_cache_hits,
+                   tier_cache_hits=tier_cache_hits)
 
 
 class Usage(BaseModel):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 import uuid
@@ -89,9 +90,12 @@ class Run:
         outputs = self._last.values()
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
         generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        tier_hits = collections.Counter()
+        for output in outputs:
+            tier_hits.update(output.num_tier_hit_tokens)
         details = PromptTokensDetails.of(prompt, sum(o.num_cached_tokens for o in outputs),
                                          sum(o.num_chunk_hit_tokens for o in outputs),
-                                         sum(o.num_recomputed_tokens for o in outputs))
+                                         sum(o.num_recomputed_tokens for o in outputs), dict(tier_hits))
         return Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated,
                      prompt_tokens_details=details)
 

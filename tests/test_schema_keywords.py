@@ -162,8 +162,13 @@ CASES = [
     # validation: arrays
     enforced("maxItems", {"type": "array", "items": INT, "maxItems": 1}, ["[1]"], ["[1,2]"]),
     enforced("minItems", {"type": "array", "items": INT, "minItems": 2}, ["[1,2]"], ["[1]"]),
-    refused("uniqueItems", {"type": "object", "properties": {"tags": {"type": "array", "items": ABC,
+    enforced("uniqueItems", {"type": "array", "items": ABC, "uniqueItems": True},
+             ["[]", '["a","c"]', '["c","b","a"]'], ['["a","a"]', '["a","b","a"]', '["a","b","c","a"]']),
+    enforced("uniqueItems", {"type": "array", "items": {"enum": [1, 2, 3, 4, 5]}, "uniqueItems": True,
+                             "minItems": 1, "maxItems": 3}, ["[5]", "[1,2,3]"], ["[]", "[1,1]", "[1,2,3,4]"]),
+    refused("uniqueItems", {"type": "object", "properties": {"tags": {"type": "array", "items": INT,
                                                                       "uniqueItems": True}}}, "$.properties.tags"),
+    refused("uniqueItems", {"type": "array", "items": {"enum": list(range(6))}, "uniqueItems": True}),
     enforced("uniqueItems", {"type": "array", "items": ABC, "uniqueItems": False, "maxItems": 2}, ['["a","a"]'],
              ["[1]"]),
     refused("maxContains", {"type": "array", "items": ABC, "maxContains": 1}),
@@ -236,10 +241,17 @@ def test_refused_keywords_name_keyword_and_path(case):
         StructuredOutputsParams(json=case.schema)
 
 
-def test_the_reported_unique_items_schema_is_refused_through_sampling_params():
+def test_the_reported_unique_items_schema_is_enforced_through_sampling_params(compiler):
+    """The issue's schema: an array of an enum of three values, no maxItems. Its distinct
+    sequences are the grammar; a repeated value cannot be generated, and the array must end."""
     schema = {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True}
+    params = SamplingParams(max_tokens=8, structured_outputs={"json": schema}).structured_outputs
+    assert accepts(compiler, params, '["b","a"]')
+    matcher = compiler.matcher(params)
+    assert matcher.accept_string('["a",')
+    assert not matcher.accept_string('"a"')
     with pytest.raises(ValueError, match=r"'uniqueItems' at \$ is not enforced"):
-        SamplingParams(max_tokens=8, structured_outputs={"json": schema})
+        SamplingParams(max_tokens=8, structured_outputs={"json": {**schema, "items": {"type": "string"}}})
 
 
 def test_pydantic_models_of_common_shapes_pass():

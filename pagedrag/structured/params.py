@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedrag.structured.schema_support import check_schema
+from pagedrag.structured.unique_items import enforce_unique_items
 from pagedrag.text_checks import check_bool, check_utf8
 
 logger = logging.getLogger("pagedrag")
@@ -154,6 +155,7 @@ def _schema_text(schema: Any) -> str:
     if not isinstance(schema, (Mapping, bool)):
         raise TypeError("structured outputs: json must be a JSON schema (an object), its JSON text, or a "
                         f"pydantic model class, got {type(schema).__name__}")
+    schema = enforce_unique_items(schema)
     check_schema(schema)
     text = json.dumps(schema, ensure_ascii=False)
     if len(text) > MAX_SPEC_CHARS:

@@ -20,7 +20,8 @@ from pagedrag.structured.schema_oneof import overlapping_pair
 
 # Constraints the backend never enforces (it ignores them), with why they are refused.
 NEVER = {
-    "uniqueItems": "(xgrammar ignores it; bound the array with an enum of arrays instead)",
+    "uniqueItems": "(xgrammar ignores it; pagedrag enforces it on an array of an enum or const of at most "
+                   "5 values, with only minItems / maxItems beside: pagedrag.structured.unique_items)",
     "contains": "", "minContains": "", "maxContains": "", "not": "", "if": "",
     "dependentRequired": "", "dependentSchemas": "", "dependencies": "",
     "$dynamicRef": "", "$recursiveRef": "",

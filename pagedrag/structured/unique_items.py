@@ -1,0 +1,90 @@
+"""``uniqueItems: true`` over a small enum, enforced by rewriting the array's schema into the
+distinct sequences it allows.
+
+xgrammar ignores ``uniqueItems`` (an array of ``{"enum": ["a", "b", "c"]}`` repeated ``"a"``
+until max_tokens). An array whose items are one of a few values has few distinct sequences:
+``{"type": "array", "items": {"enum": [a, b, c]}, "uniqueItems": true}`` becomes an ``anyOf``
+of one exact-length array per ordered selection of distinct values (``[]``, ``[a]``, ...,
+``[c, b, a]``: 16 for three values), each written with ``prefixItems`` of ``const`` s, which
+xgrammar enforces. ``minItems`` / ``maxItems`` keep the lengths they allow.
+
+Invariant: a rewritten schema accepts exactly the arrays the original accepts (distinct
+items, each one of the values, within the length bounds). A ``uniqueItems: true`` that is
+not of that form is left alone, and schema_support refuses it by name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Mapping
+from typing import Any
+
+MAX_UNIQUE_VALUES = 5  # 326 sequences: the grammar stays small and compiles in milliseconds
+ARRAY_KEYWORDS = frozenset({"type", "items", "uniqueItems", "minItems", "maxItems"})
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated",
+                         "readOnly", "writeOnly"})
+
+
+def enforce_unique_items(schema: Any) -> Any:
+    """``schema`` with every ``uniqueItems: true`` array of at most MAX_UNIQUE_VALUES enum or
+    const values rewritten into its distinct sequences; everything else as it was."""
+    if isinstance(schema, Mapping):
+        rewritten = _sequences(schema)
+        if rewritten is not None:
+            return rewritten
+        return {key: enforce_unique_items(value) for key, value in schema.items()}
+    if isinstance(schema, list):
+        return [enforce_unique_items(value) for value in schema]
+    return schema
+
+
+def _sequences(node: Mapping) -> dict | None:
+    """The anyOf of distinct sequences ``node`` allows, or None when it is not a uniqueItems
+    array of a small enum."""
+    if node.get("uniqueItems") is not True or node.get("type") != "array":
+        return None
+    if not set(node) <= ARRAY_KEYWORDS | ANNOTATIONS:
+        return None
+    values = _values(node.get("items"))
+    lowest, highest = node.get("minItems", 0), node.get("maxItems", len(values or ()))
+    if values is None or not _is_count(lowest) or not _is_count(highest):
+        return None
+    branches = [{"type": "array", "prefixItems": [{"const": value} for value in chosen], "items": False,
+                 "minItems": length, "maxItems": length}
+                for length in range(lowest, min(highest, len(values)) + 1)
+                for chosen in itertools.permutations(values, length)]
+    annotations = {key: value for key, value in node.items() if key in ANNOTATIONS}
+    # No branch (minItems above the number of values): nothing validates, as in the original.
+    return {**annotations, "anyOf": branches} if branches else {**annotations, "enum": []}
+
+
+def _values(items: Any) -> list | None:
+    """The distinct values an ``items`` schema of only enum / const (and a type they all have)
+    allows, when there are at most MAX_UNIQUE_VALUES of them."""
+    if not isinstance(items, Mapping) or not set(items) <= {"enum", "const", "type"} | ANNOTATIONS:
+        return None
+    if "const" in items and "enum" not in items:
+        values = [items["const"]]
+    elif "enum" in items and "const" not in items and isinstance(items["enum"], list):
+        values = items["enum"]
+    else:
+        return None
+    if "type" in items and not all(_json_type(value) == items["type"] for value in values):
+        return None
+    distinct = list({json.dumps(value, sort_keys=True): value for value in values}.values())
+    return distinct if len(distinct) <= MAX_UNIQUE_VALUES else None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

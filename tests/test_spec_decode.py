@@ -178,7 +178,7 @@ def test_sampled_distribution_unchanged(tiny):
         assert chi2_contingency(table.numpy()).pvalue > 1e-3, (position, table)
 
 
-def test_gates_batch_size_opt_out_and_structured_rows(tiny):
+def test_gates_batch_size_and_opt_out(tiny):
     path, _ = tiny
     prompts = repeating_prompts()
     llm = make_llm(path, {**NGRAM, "disable_by_batch_size": 2})
@@ -186,9 +186,27 @@ def test_gates_batch_size_opt_out_and_structured_rows(tiny):
     assert llm.stats()["spec_decode_num_drafts"] == 0
     outputs = generate(llm, prompts[:1], speculative_decoding=False)
     assert outputs[0].spec_decode is None and llm.stats()["spec_decode_num_drafts"] == 0
-    structured = generate(llm, prompts[:1], structured_outputs={"regex": "(ab){6}"})
-    assert structured[0].outputs[0].text == "ab" * 6 and structured[0].spec_decode is None
     assert generate(llm, prompts[:1])[0].spec_decode.num_drafts > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_structured_rows_draft_within_their_grammar(tiny, method):
+    """A constrained request's draft is cut where its grammar refuses it, and each verification
+    row is masked by the grammar's state after the drafted tokens before it: greedy and seeded
+    outputs are those without speculation, and the drafts that fit were verified."""
+    path, _ = tiny
+    prompts = repeating_prompts()
+    plain, speculative = make_llm(path), make_llm(path, METHODS[method])
+    constraints = [{"regex": "(ab){6}"}, {"regex": "(xyz|abc)+"},
+                   {"json": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True}}]
+    for constraint in constraints:
+        outputs = generate(speculative, prompts, structured_outputs=constraint)
+        assert token_ids(outputs) == token_ids(generate(plain, prompts, structured_outputs=constraint))
+        assert sum(o.spec_decode.num_accepted_tokens for o in outputs if o.spec_decode) > 0, constraint
+    seeded = {"structured_outputs": constraints[1], "temperature": 1.0, "seed": 3}
+    assert token_ids(generate(speculative, prompts, **seeded)) == token_ids(generate(plain, prompts, **seeded))
+    assert generate(speculative, prompts[:1], structured_outputs=constraints[0])[0].outputs[0].text == "ab" * 6
+    assert_all_free(speculative)
 
 
 def test_metrics_and_stats_agree(tiny):

@@ -3,9 +3,8 @@
 Gates (drafting must not cost where it does not pay):
 - no request drafts while more than ``disable_by_batch_size`` requests run;
 - a request drafts only if its SamplingParams allow it (``speculative_decoding=False`` opts
-  out) and its output is not structured (a grammar's matcher would have to see drafted
-  tokens before they are verified: such rows decode one token a step, as without
-  speculation);
+  out); a structured request's draft is cut at the first token its grammar refuses (and
+  before a token that would complete it), and its matcher only advances on verified tokens;
 - each request's draft limit follows its recent acceptance: it starts at
   num_speculative_tokens; after a rejection it drops to one more than the tokens accepted,
   and after a fully accepted draft it grows to twice that draft's length (never shrinking,
@@ -19,6 +18,7 @@ from pagedrag.outputs import SpecDecodeCounts
 from pagedrag.spec_decode.config import SpeculativeConfig
 from pagedrag.spec_decode.ngram import NgramProposer
 from pagedrag.spec_decode.suffix import SuffixProposer
+from pagedrag.structured.masks import grammar_prefix
 
 
 def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer:
@@ -43,11 +43,11 @@ class Drafter:
     def draft(self, request: Request, room: int, batch_size: int) -> list[int]:
         """Tokens to verify after the request's next one: at most ``room`` (what its
         max_tokens, max_model_len and the step's budget leave), [] when gated."""
-        if (batch_size > self.config.disable_by_batch_size or not request.params.speculative_decoding
-                or request.grammar is not None):
+        if batch_size > self.config.disable_by_batch_size or not request.params.speculative_decoding:
             return []
         limit = min(room, self.limits.get(request.request_id, self.config.num_speculative_tokens))
-        return self.proposer.propose(request, limit) if limit > 0 else []
+        draft = self.proposer.propose(request, limit) if limit > 0 else []
+        return grammar_prefix(request.grammar, draft) if request.grammar is not None and draft else draft
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """A verified draft: count it (engine-wide and on the request) and adapt the limit."""

@@ -2,9 +2,10 @@
 
 A request that carried a draft x_1..x_d has d + 1 logits rows: row j scores the token after
 its known tokens and x_1..x_j. Each row is shaped exactly as the Sampler shapes a row
-(worker.sampler: penalties, logit_bias, allowed tokens, bans, then temperature, top-k, top-p,
-min-p), with the row's output history extended by the drafted tokens before it, so row j
-sees what a step without speculation would see once x_1..x_j were accepted.
+(worker.sampler: penalties, logit_bias, allowed tokens, bans, the grammar, then temperature,
+top-k, top-p, min-p), with the row's output history extended by the drafted tokens before it
+and its grammar's mask taken after them, so row j sees what a step without speculation would
+see once x_1..x_j were accepted.
 
 Row by row, the target token is what the Sampler would pick from that row: the argmax for a
 greedy request, else a draw by the Sampler's exponential race, argmax(p / E) with E ~ Exp(1)
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedrag.core.request import Request
+from pagedrag.structured.masks import fill_draft_masks
 from pagedrag.worker.sampler import (Sample, SamplingBatch, filter_logits, process_logits, sample_from,
                                      with_logprobs)
 from pagedrag.worker.transfer import host_to_device
@@ -58,7 +60,7 @@ class Verified:
 def verify(logits: torch.Tensor, rows: list[VerifyRow], eos_token_id: int | None) -> list[Verified]:
     """Verify every row's draft (``logits``: the step's logits; rows index into it)."""
     index = [row.first_row + j for row in rows for j in range(len(row.draft) + 1)]
-    batch = _draft_batch(rows, logits.device, eos_token_id)
+    batch = _draft_batch(rows, logits.shape[-1], logits.device, eos_token_id)
     processed = process_logits(logits[host_to_device(index, torch.long, logits.device)].float(), batch)
     greedy = processed.argmax(dim=-1).tolist()
     filtered = None if batch.all_greedy else filter_logits(processed, batch)
@@ -74,9 +76,10 @@ def verify(logits: torch.Tensor, rows: list[VerifyRow], eos_token_id: int | None
     return _split(rows, emitted, samples)
 
 
-def _draft_batch(rows: list[VerifyRow], device: torch.device, eos_token_id: int | None) -> SamplingBatch:
-    """The sampling batch of every verification row: row j of a request has its parameters and
-    its output so far followed by the first j drafted tokens."""
+def _draft_batch(rows: list[VerifyRow], vocab_size: int, device: torch.device, eos_token_id: int | None
+                 ) -> SamplingBatch:
+    """The sampling batch of every verification row: row j of a request has its parameters, its
+    output so far followed by the first j drafted tokens, and its grammar's mask after them."""
     params, generators, prompts, outputs, bad_words = [], [], [], [], []
     for row in rows:
         request, output = row.request, row.request.output_token_ids
@@ -86,7 +89,9 @@ def _draft_batch(rows: list[VerifyRow], device: torch.device, eos_token_id: int 
             prompts.append(request.prompt_token_ids)
             outputs.append(output + row.draft[:j])
             bad_words.append(request.bad_words_token_ids)
-    return SamplingBatch.from_params(params, generators, prompts, outputs, device, eos_token_id, bad_words)
+    grammar = fill_draft_masks([row.request.grammar for row in rows], [row.draft for row in rows], vocab_size,
+                               device)
+    return SamplingBatch.from_params(params, generators, prompts, outputs, device, eos_token_id, bad_words, grammar)
 
 
 def _target_of(row: VerifyRow, offset: int, greedy: list[int], filtered: torch.Tensor | None

@@ -2,6 +2,7 @@
 without drafting from the context, side by side in one run.
 
     nice -n 10 python benchmarks/bench_spec_cpu.py [--prompts 5] [--max-tokens 128] [--quantization gguf]
+    nice -n 10 python benchmarks/bench_spec_cpu.py --concurrency 1 2 4 8 [--max-tokens 64]
 
 Two workloads: "rag", the RAG prompts of pagedrag.entrypoints.bench (a system prompt, 3-5
 standard-library docstring chunks, a question about one of them; 600-800 tokens), whose
@@ -13,6 +14,11 @@ tokens after the first over the time from its first token to its end. Prints mar
 tables for benchmarks/RESULTS.md, with each engine's agreement with the one without
 speculation: the share of answer tokens before the first that differs (1.00 in float32; the
 low-bit kernels round a 9-row product differently from a 1-row one, so near-ties can flip).
+
+``--concurrency``: where drafting stops paying (``disable_by_batch_size``). For each
+concurrency N, N RAG prompts go into one ``generate`` on each engine (drafting forced on at
+every batch size), twice with new prompts each time, engines interleaved; the figure is the
+better pass's output tokens over wall time.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import time
 
 from pagedrag import LLM, SamplingParams
 from pagedrag.entrypoints.bench import rag_requests
@@ -79,12 +86,45 @@ def _acceptance_length(before: dict, after: dict) -> float | None:
     return 1 + accepted / drafts if drafts else 0.0
 
 
+def concurrency_sweep(levels: list[int], max_tokens: int, quantization: str | None) -> None:
+    """Output tokens/s of N RAG requests at once, with and without drafting, for each N."""
+    always = {name: None if config is None else {**config, "disable_by_batch_size": max(levels)}
+              for name, config in CONFIGS.items()}
+    engines = {name: LLM(speculative_config=config, quantization=quantization, max_model_len=2048,
+                         kv_cache_memory_bytes=512 << 20) for name, config in always.items()}
+    # Each pass its own prompts: suffix's global index would otherwise replay the last pass's answers.
+    prompts = workloads(engines["off"].get_tokenizer(), 2 * sum(levels))["rag"]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for llm in engines.values():
+        llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    unused = iter(prompts[1:])
+    print("| concurrent requests | " + " | ".join(f"{name} tok/s" for name in engines) + " | "
+          + " | ".join(f"{name} vs off" for name in engines if name != "off") + " |")
+    print("|---" * (2 * len(engines)) + "|")
+    for level in levels:
+        rates = {name: [] for name in engines}
+        for _ in range(2):
+            batch = [next(unused) for _ in range(level)]
+            for name, llm in engines.items():
+                started = time.perf_counter()
+                outputs = llm.generate(batch, params, use_tqdm=False)
+                tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+                rates[name].append(tokens / (time.perf_counter() - started))
+        best = {name: max(values) for name, values in rates.items()}
+        print(f"| {level} | " + " | ".join(f"{best[name]:.1f}" for name in engines) + " | "
+              + " | ".join(f"{best[name] / best['off']:.2f}x" for name in engines if name != "off") + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--concurrency", type=int, nargs="+", help="sweep these numbers of concurrent requests")
     args = parser.parse_args()
+    if args.concurrency:
+        concurrency_sweep(args.concurrency, args.max_tokens, args.quantization)
+        return
     engines = {name: LLM(speculative_config=config, quantization=args.quantization, max_model_len=2048,
                          kv_cache_memory_bytes=256 << 20) for name, config in CONFIGS.items()}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -8,9 +8,11 @@ of one exact-length array per ordered selection of distinct values (``[]``, ``[a
 ``[c, b, a]``: 16 for three values), each written with ``prefixItems`` of ``const`` s, which
 xgrammar enforces. ``minItems`` / ``maxItems`` keep the lengths they allow.
 
-Invariant: a rewritten schema accepts exactly the arrays the original accepts (distinct
-items, each one of the values, within the length bounds). A ``uniqueItems: true`` that is
-not of that form is left alone, and schema_support refuses it by name.
+Invariant: a rewritten schema accepts the arrays the original accepts (distinct items, each
+one of the values, within the length bounds), written with each value as the enum lists it
+(of values JSON counts as equal, such as 1 and 1.0, the first). Only schema positions are
+rewritten, never data (``enum``, ``const``, ``default``, ``examples``). A ``uniqueItems:
+true`` that is not of that form is left alone, and schema_support refuses it by name.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ MAX_UNIQUE_VALUES = 5  # 326 sequences: the grammar stays small and compiles in 
 ARRAY_KEYWORDS = frozenset({"type", "items", "uniqueItems", "minItems", "maxItems"})
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated",
                          "readOnly", "writeOnly"})
+DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 
 
 def enforce_unique_items(schema: Any) -> Any:
@@ -33,7 +36,8 @@ def enforce_unique_items(schema: Any) -> Any:
         rewritten = _sequences(schema)
         if rewritten is not None:
             return rewritten
-        return {key: enforce_unique_items(value) for key, value in schema.items()}
+        return {key: value if key in DATA_KEYWORDS else enforce_unique_items(value)
+                for key, value in schema.items()}
     if isinstance(schema, list):
         return [enforce_unique_items(value) for value in schema]
     return schema
@@ -72,8 +76,21 @@ def _values(items: Any) -> list | None:
         return None
     if "type" in items and not all(_json_type(value) == items["type"] for value in values):
         return None
-    distinct = list({json.dumps(value, sort_keys=True): value for value in values}.values())
-    return distinct if len(distinct) <= MAX_UNIQUE_VALUES else None
+    distinct: dict[str, Any] = {}
+    for value in values:
+        distinct.setdefault(json.dumps(_canonical(value), sort_keys=True), value)
+    return list(distinct.values()) if len(distinct) <= MAX_UNIQUE_VALUES else None
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` with integral floats as integers: JSON Schema counts 1 and 1.0 as equal."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_canonical(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _canonical(item) for key, item in value.items()}
+    return value
 
 
 def _json_type(value: Any) -> str:

@@ -1,11 +1,12 @@
-"""CPU thread settings under contention: batch-1 decode of the embedded model with a
-second process keeping one core busy, for each setting, each in a fresh process.
+"""CPU thread settings, quiet and with one core busy: batch-1 decode, prefill and batched
+decode of the embedded model, each setting in a fresh process, all in one run.
 
-    python benchmarks/bench_threads.py [--tokens 48]
+    python benchmarks/bench_threads.py [--tokens 64]
 
-Settings: pagedrag's default (physical cores, passive OpenMP waiting), torch's own
-default (a thread per logical CPU, threads spinning while they wait: OMP_WAIT_POLICY=
-ACTIVE), and one thread. Prints a markdown table for benchmarks/RESULTS.md.
+Settings: pagedrag's default (thread count per step size by measurement, short OpenMP spin),
+the physical cores fixed (`cpu_threads`), one thread, the physical cores with passive
+OpenMP waiting (the default before), and torch's threads spinning without end
+(OMP_WAIT_POLICY=ACTIVE). Prints a markdown table for benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -18,13 +19,49 @@ import subprocess
 import sys
 import time
 
+from pagedrag.worker.cpu_threads import physical_cores_available
+
+CORES = physical_cores_available()
 SETTINGS = {
-    "pagedrag default (physical cores, passive wait)": {"env": {}, "cpu_threads": None},
-    "torch default (threads spin: OMP_WAIT_POLICY=ACTIVE)": {"env": {"OMP_WAIT_POLICY": "ACTIVE"},
-                                                           "cpu_threads": os.cpu_count()},
+    "pagedrag default (tuned per step size, short spin)": {"env": {}, "cpu_threads": None},
+    f"{CORES} threads fixed, short spin": {"env": {}, "cpu_threads": CORES},
     "one thread": {"env": {}, "cpu_threads": 1},
+    f"{CORES} threads, passive wait (OMP_WAIT_POLICY=PASSIVE)": {"env": {"OMP_WAIT_POLICY": "PASSIVE"},
+                                                              "cpu_threads": CORES},
+    f"{CORES} threads spinning (OMP_WAIT_POLICY=ACTIVE)": {"env": {"OMP_WAIT_POLICY": "ACTIVE"},
+                                                         "cpu_threads": CORES},
 }
-PROMPT = "Explain in one paragraph why the sky is blue."
+CONTEXT = ("Retrieved passage {i}: The tokenizer splits text into pieces that the model reads one "
+           "by one; each piece gets an embedding, and attention mixes the pieces layer after layer. ")
+QUESTION = "\nQuestion: what does attention mix? Answer:"
+PREFILL_PROMPTS = 8  # each ~1,000 tokens; as many again first, as a warm-up
+BATCH = 8
+
+
+def _workloads(cpu_threads: int | None, tokens: int) -> dict:
+    """Runs in the child process: decode, prefill and batched decode, each after a warm-up."""
+    from pagedrag import LLM, SamplingParams
+
+    llm = LLM(cpu_threads=cpu_threads, max_model_len=2048)
+    decode = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    one_token = SamplingParams(temperature=0, max_tokens=1)
+    rag = "".join(CONTEXT.format(i=i) for i in range(7)) + QUESTION  # ~250 tokens
+
+    def timed(prompts, params) -> float:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    timed(rag, decode)
+    result = {"decode_tok_s": tokens / timed(rag + " ", decode)}
+    long_prompts = [f"Doc {n}. " + "".join(CONTEXT.format(i=i) for i in range(28)) for n in range(2 * PREFILL_PROMPTS)]
+    timed(long_prompts[:PREFILL_PROMPTS], one_token)
+    prefill_tokens = sum(len(llm.get_tokenizer().encode(p)) for p in long_prompts[PREFILL_PROMPTS:])
+    result["prefill_tok_s"] = prefill_tokens / timed(long_prompts[PREFILL_PROMPTS:], one_token)
+    batch = [f"{n}. " + rag for n in range(BATCH)]
+    timed(batch, decode)
+    result["batch_tok_s"] = BATCH * tokens / timed([p + " " for p in batch], decode)
+    return result
 
 
 def _burn(seconds: float) -> None:
@@ -33,24 +70,11 @@ def _burn(seconds: float) -> None:
         pass
 
 
-def _decode_tokens_per_second(cpu_threads: int | None, tokens: int) -> dict:
-    """Runs in the child process: the README's generate, timed after a warm-up."""
-    from pagedrag import LLM, SamplingParams
-
-    llm = LLM(cpu_threads=cpu_threads, max_model_len=1024)
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    start = time.perf_counter()
-    llm.generate(PROMPT, params, use_tqdm=False)
-    import torch
-    return {"tok_s": tokens / (time.perf_counter() - start), "threads": torch.get_num_threads()}
-
-
 def run_setting(setting: dict, tokens: int, busy: bool) -> dict:
     env = {**os.environ, **setting["env"]}
     code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import bench_threads as b; "
-            f"print(json.dumps(b._decode_tokens_per_second({setting['cpu_threads']!r}, {tokens})))")
-    burner = multiprocessing.Process(target=_burn, args=(600,), daemon=True) if busy else None
+            f"print(json.dumps(b._workloads({setting['cpu_threads']!r}, {tokens})))")
+    burner = multiprocessing.Process(target=_burn, args=(900,), daemon=True) if busy else None
     if burner:
         burner.start()
     try:
@@ -63,14 +87,21 @@ def run_setting(setting: dict, tokens: int, busy: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    print("| setting | threads | tok/s, idle machine | tok/s, one core busy |")
+    rows = {name: {busy: run_setting(setting, args.tokens, busy) for busy in (False, True)}
+            for name, setting in SETTINGS.items()}
+    print(f"| setting | decode tok/s quiet / busy | prefill tok/s quiet / busy | {BATCH} concurrent tok/s quiet / busy |")
     print("|---|---|---|---|")
-    for name, setting in SETTINGS.items():
-        idle = run_setting(setting, args.tokens, busy=False)
-        busy = run_setting(setting, args.tokens, busy=True)
-        print(f"| {name} | {idle['threads']} | {idle['tok_s']:.1f} | {busy['tok_s']:.1f} |")
+    for name, by_busy in rows.items():
+        cells = [f"{by_busy[False][key]:.1f} / {by_busy[True][key]:.1f}"
+                 for key in ("decode_tok_s", "prefill_tok_s", "batch_tok_s")]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    for key in ("decode_tok_s", "prefill_tok_s", "batch_tok_s"):
+        for busy in (False, True):
+            best = max(by_busy[busy][key] for by_busy in rows.values())
+            default = next(iter(rows.values()))[busy][key]
+            print(f"default / best, {key}, {'busy' if busy else 'quiet'}: {default / best:.2f}")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,12 @@ import os
 import sys
 
 if "torch" not in sys.modules:
-    # OpenMP threads that spin while waiting fight any other work for the cores (see
-    # worker/cpu_threads.py); passive waiting must be chosen before torch starts OpenMP.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP threads that spin without end while they wait burn a core even when the engine
+    # is idle, and threads that sleep at once pay a wake-up at every one of a step's few
+    # hundred operators (1.5x slower decode, RESULTS.md "CPU threads"). A short spin keeps
+    # them awake within a step and asleep between steps; worker/thread_tuner.py drops to
+    # fewer threads when other work holds a core. libgomp reads this when torch starts it.
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from pagedrag.config import EngineArgs  # noqa: E402  (after the OpenMP setting)
 from pagedrag.outputs import CompletionOutput, RequestOutput  # noqa: E402

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from model_fixtures import make_tiny_model
 from pagedrag import LLM, SamplingParams
+from pagedrag.kernels import reference
 from pagedrag.config import EngineArgs
 from pagedrag.core.request import Request
 from pagedrag.server.cli import add_arguments, engine_args_from
@@ -85,6 +86,17 @@ def test_greedy_equals_hf_and_no_speculation_with_prefix_caching(tiny, method):
     assert stats["spec_decode_mean_acceptance_length"] > 1
     assert sum(stats["spec_decode_num_accepted_tokens_per_pos"]) == stats["spec_decode_num_accepted_tokens"]
     assert outputs[0].spec_decode.num_accepted_tokens > 0
+    assert_all_free(llm)
+
+
+def test_verification_as_decode_rows_stays_exact(tiny, monkeypatch):
+    """The GPU's layout (kernels' VERIFY_AS_DECODE_ROWS: one decode row per verified token,
+    each over the context up to it) gives the same tokens, here through the CPU's kernels."""
+    monkeypatch.setattr(reference, "VERIFY_AS_DECODE_ROWS", True)
+    path, references = tiny
+    llm = make_llm(path, NGRAM)
+    assert token_ids(generate(llm, repeating_prompts())) == references
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
     assert_all_free(llm)
 
 

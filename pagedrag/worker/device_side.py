@@ -45,8 +45,7 @@ def build_device_side(args: EngineArgs, group: TensorParallelGroup = SINGLE) -> 
         torch.cuda.set_device(device)  # NCCL's communicator and the graphs' stream live there
     dtype = args.resolved_dtype(device)
     torch.manual_seed(args.seed)
-    if device.type == "cpu":
-        configure_cpu_threads(args.cpu_threads, processes=group.size)
+    threads = configure_cpu_threads(args.cpu_threads, processes=group.size) if device.type == "cpu" else None
     loaded = load_model(args.model, dtype=dtype, device=device, load_format=args.load_format,
                         max_model_len=args.max_model_len, source=args.model_source(),
                         quantization=args.quantization, group=group)
@@ -58,10 +57,21 @@ def build_device_side(args: EngineArgs, group: TensorParallelGroup = SINGLE) -> 
     cache = KVCacheTensors(shape, num_blocks, num_cpu_blocks, device, kernels.ops_for(device))
     eos_token_id = loaded.tokenizer.eos_token_id if loaded.tokenizer is not None else None
     runner = ModelRunner(module, cache, args.block_size, device, eos_token_id, args.chunk_recompute_strategy,
-                         group)
+                         group, threads)
     if device.type == "cuda" and not args.enforce_eager:
-        runner.capture_graphs(args.max_num_seqs, loaded.max_model_len)
+        runner.capture_graphs(_graph_rows(args), loaded.max_model_len)
     return DeviceSide(loaded, shape, num_blocks, num_cpu_blocks, runner)
+
+
+def _graph_rows(args: EngineArgs) -> int:
+    """The most decode rows a step's graph must cover: max_num_seqs, or with speculative
+    decoding every row that drafts checks 1 + k tokens, one decode row each (at most
+    disable_by_batch_size rows draft)."""
+    speculative = args.speculative()
+    if speculative is None:
+        return args.max_num_seqs
+    drafting = min(args.max_num_seqs, speculative.disable_by_batch_size)
+    return max(args.max_num_seqs, drafting * (1 + speculative.num_speculative_tokens))
 
 
 def _pool_blocks(args: EngineArgs, shape: CacheShape, device: torch.device, num_ranks: int) -> int:

@@ -25,6 +25,7 @@ waiting (``InflightTokens``).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ from pagedrag.worker.cuda_graphs import StepGraphs
 from pagedrag.worker.kv_cache import KVCacheTensors
 from pagedrag.worker.prompt_logprobs import PromptRows, prompt_rows, prompt_samples
 from pagedrag.worker.rejection_sampler import Verified, VerifyRow, verify
+from pagedrag.worker.thread_tuner import ThreadTuner
 from pagedrag.worker.sampler import Sample, Sampler, SamplerOutput, SamplingBatch, unpack_samples
 from pagedrag.worker.transfer import device_to_host, host_to_device
 
@@ -158,6 +160,14 @@ def _inflight_row(inflight: InflightTokens | None, item: ScheduledRequest) -> in
     return inflight.rows[request.request_id]
 
 
+def _known_tokens(item: ScheduledRequest, begin: int, end: int) -> list[int]:
+    """Positions begin..end of the request followed by its draft; shorter where the last
+    token is still in flight on the device (asynchronous scheduling)."""
+    token_ids = item.request.token_ids
+    known = len(token_ids)
+    return token_ids[begin:end] + item.draft[max(begin - known, 0):max(end - known, 0)]
+
+
 def _slots(block_ids: list[int], begin: int, end: int, block_size: int) -> list[int]:
     """The flat cache slots of a request's positions [begin, end)."""
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(begin, end)]
@@ -198,7 +208,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, cache: KVCacheTensors, block_size: int,
                  device: torch.device, eos_token_id: int | None = None, recompute_strategy: str = "first",
-                 group: TensorParallelGroup = SINGLE):
+                 group: TensorParallelGroup = SINGLE, threads: ThreadTuner | None = None):
         self.model = model
         self.recompute_strategy = recompute_strategy  # chunk reuse: worker.recompute_selection
         self.cache = cache
@@ -206,6 +216,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_id = eos_token_id  # the tokenizer's; min_tokens keeps it from being sampled
         self.group = group
+        self.threads = threads  # CPU: the thread count per step size, by measurement
         self.ops = kernels.ops_for(device)
         self.sampler = Sampler()
         self.graphs: StepGraphs | None = None
@@ -231,8 +242,8 @@ class ModelRunner:
         out = StepLayout([], [], [], [], [0], [], [], [], [], [])
         wanted_prompt_rows = []
         for item in step.scheduled:
-            for begin, end in item.runs:  # each run attends as a sequence of its own
-                known = item.request.token_ids[begin:end] + item.draft
+            for begin, end in self._attention_runs(item):  # each run attends as a sequence of its own
+                known = _known_tokens(item, begin, end)
                 if len(known) < end - begin:  # its in-flight token: filled in on the device
                     out.inflight_rows.append(len(out.input_ids))
                     out.inflight_sources.append(_inflight_row(inflight, item))
@@ -249,6 +260,14 @@ class ModelRunner:
             if item.completes_sequence:
                 out.logits_rows.extend(range(out.starts[-1] - 1 - len(item.draft), out.starts[-1]))
         return out, wanted_prompt_rows
+
+    def _attention_runs(self, item: ScheduledRequest) -> list[tuple[int, int]]:
+        """The item's runs; with a draft, where the kernels ask for it (VERIFY_AS_DECODE_ROWS),
+        each verified token is a run of its own over the context up to it: the same causal
+        attention, done by the decode kernel (and its CUDA graphs)."""
+        if not item.draft or not self.ops.VERIFY_AS_DECODE_ROWS:
+            return item.runs
+        return [(token, token + 1) for begin, end in item.runs for token in range(begin, end)]
 
     def to_device(self, layout: StepLayout, inflight: InflightTokens | None = None) -> StepInputs:
         """The layout's tensors on the device (its integer lists in two copies). In-flight
@@ -332,14 +351,15 @@ class ModelRunner:
         inputs = self.to_device(plan.layout, inflight)
         shape = None if self.graphs is None else self.graphs.shape_for(
             inputs.meta.context_lens.shape[0], inputs.input_ids.shape[0], inputs.meta.decode_only)
-        if shape is not None:
-            hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.cache.device_layers, inputs.meta)
-        self._move_kv(plan.exports)
-        sampling = self.model.compute_logits(hidden[inputs.logits_indices], self.ops)
-        prompt = self.model.compute_logits(hidden[inputs.prompt_rows], self.ops) if plan.layout.prompt_rows \
-            else None
+        with nullcontext() if self.threads is None else self.threads.step(inputs.input_ids.shape[0]):
+            if shape is not None:
+                hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.meta)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.cache.device_layers, inputs.meta)
+            self._move_kv(plan.exports)
+            sampling = self.model.compute_logits(hidden[inputs.logits_indices], self.ops)
+            prompt = self.model.compute_logits(hidden[inputs.prompt_rows], self.ops) if plan.layout.prompt_rows \
+                else None
         return sampling, prompt
 
     def _pick_recomputed(self, step: SchedulerOutput) -> None:

@@ -15,6 +15,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -34,12 +35,14 @@ SETTINGS = {
 CONTEXT = ("Retrieved passage {i}: The tokenizer splits text into pieces that the model reads one "
            "by one; each piece gets an embedding, and attention mixes the pieces layer after layer. ")
 QUESTION = "\nQuestion: what does attention mix? Answer:"
-PREFILL_PROMPTS = 8  # each ~1,000 tokens; as many again first, as a warm-up
+PREFILL_PROMPTS = 8  # each ~1,000 tokens, two to a step
+WARMUP_PREFILLS = 24  # before them: the tuner's first probes of a step size fall here
 BATCH = 8
 
 
 def _workloads(cpu_threads: int | None, tokens: int) -> dict:
-    """Runs in the child process: decode, prefill and batched decode, each after a warm-up."""
+    """Runs in the child process: decode (median of 3), prefill and batched decode, each after
+    a warm-up."""
     from pagedrag import LLM, SamplingParams
 
     llm = LLM(cpu_threads=cpu_threads, max_model_len=2048)
@@ -53,11 +56,12 @@ def _workloads(cpu_threads: int | None, tokens: int) -> dict:
         return time.perf_counter() - start
 
     timed(rag, decode)
-    result = {"decode_tok_s": tokens / timed(rag + " ", decode)}
-    long_prompts = [f"Doc {n}. " + "".join(CONTEXT.format(i=i) for i in range(28)) for n in range(2 * PREFILL_PROMPTS)]
-    timed(long_prompts[:PREFILL_PROMPTS], one_token)
-    prefill_tokens = sum(len(llm.get_tokenizer().encode(p)) for p in long_prompts[PREFILL_PROMPTS:])
-    result["prefill_tok_s"] = prefill_tokens / timed(long_prompts[PREFILL_PROMPTS:], one_token)
+    result = {"decode_tok_s": statistics.median(tokens / timed(rag + " " * n, decode) for n in range(1, 4))}
+    long_prompts = [f"Doc {n}. " + "".join(CONTEXT.format(i=i) for i in range(28))
+                    for n in range(WARMUP_PREFILLS + PREFILL_PROMPTS)]
+    timed(long_prompts[:WARMUP_PREFILLS], one_token)
+    prefill_tokens = sum(len(llm.get_tokenizer().encode(p)) for p in long_prompts[WARMUP_PREFILLS:])
+    result["prefill_tok_s"] = prefill_tokens / timed(long_prompts[WARMUP_PREFILLS:], one_token)
     batch = [f"{n}. " + rag for n in range(BATCH)]
     timed(batch, decode)
     result["batch_tok_s"] = BATCH * tokens / timed([p + " " for p in batch], decode)

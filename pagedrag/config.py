@@ -99,8 +99,8 @@ class EngineArgs:
     disable_log_stats: bool = _arg(False, "no periodic stats line in the log")
     metrics_prefix: str = _arg("pagedrag", "prefix of the Prometheus series: pagedrag, or vllm for dashboards "
                                            "made for vLLM")
-    cpu_threads: int | None = _arg(None, "threads for CPU compute; default: the physical cores this "
-                                         "process may use")
+    cpu_threads: int | None = _arg(None, "threads for CPU compute; default: up to the physical cores this "
+                                         "process may use, as many as run each size of step fastest")
     tool_call_parser: str | None = _arg(None, "how tool calls are read from the model's text: hermes, "
                                               "llama3_json or smollm2; default: from the chat template")
     enable_auto_tool_choice: bool = _arg(True, "let the model decide whether to call a tool (tool_choice "

@@ -32,17 +32,19 @@ def encode(key: bytes, keyspace: str, block: StoredBlock) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
-def decode(data: bytes, key: bytes, keyspace: str) -> StoredBlock | None:
-    """The block in ``data`` if it is a whole, intact file of ``key`` in ``keyspace``; else None."""
+def decode(data: bytes | bytearray, key: bytes, keyspace: str) -> StoredBlock | None:
+    """The block in ``data`` if it is a whole, intact file of ``key`` in ``keyspace``; else None.
+    The block's tensor shares a writable ``data``'s memory (a bytearray: no copy)."""
     fixed = len(MAGIC) + 4
     if len(data) < fixed + _DIGEST_BYTES or not data.startswith(MAGIC):
         return None
-    body, digest = data[:-_DIGEST_BYTES], data[-_DIGEST_BYTES:]
+    view = memoryview(data)
+    body, digest = view[:-_DIGEST_BYTES], view[-_DIGEST_BYTES:]
     if hashlib.sha256(body).digest() != digest:
         return None
     (header_len,) = struct.unpack_from("<I", body, len(MAGIC))
     try:
-        header = json.loads(body[fixed:fixed + header_len])
+        header = json.loads(bytes(body[fixed:fixed + header_len]))
         dtype, shape = _DTYPES[header["dtype"]], tuple(header["shape"])
         matches = header["key"] == key.hex() and header["keyspace"] == keyspace
         token_ids = tuple(int(t) for t in header["token_ids"])
@@ -51,7 +53,8 @@ def decode(data: bytes, key: bytes, keyspace: str) -> StoredBlock | None:
     payload = body[fixed + header_len:]
     if not matches or len(payload) != _num_bytes(shape, dtype):
         return None
-    kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
+    buffer = bytearray(payload) if payload.readonly else payload
+    kv = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
     return StoredBlock(token_ids, kv)
 
 

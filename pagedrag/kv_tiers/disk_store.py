@@ -94,7 +94,7 @@ class DiskStore:
             return None
         path = self.path_of(key)
         try:
-            data = path.read_bytes()
+            data = _read_file(path)
         except OSError:  # evicted by another engine meanwhile, or unreadable: a miss
             return None
         block = disk_format.decode(data, key, self.keyspace)
@@ -167,6 +167,15 @@ def _write_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def _read_file(path: Path) -> bytearray:
+    """The file's bytes in a buffer of their own (decode's tensor keeps it: no further copy)."""
+    with open(path, "rb", buffering=0) as file:
+        data = bytearray(os.fstat(file.fileno()).st_size)
+        if file.readinto(data) != len(data):
+            raise OSError(f"{path.name} changed size while it was read")
+        return data
 
 
 def _touch(path: Path) -> None:

@@ -12,10 +12,12 @@ from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix")
 # Above this many running requests nobody drafts: a verification row costs 1 + k tokens of
-# compute, which a large batch no longer hides behind its weight reads. 4 is a guess on the
-# safe side (on 2 CPU cores a step of 8 rows x 9 tokens is prefill-sized), not a measured
-# break-even.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# compute, which a large batch no longer hides behind its weight reads. Measured (RESULTS.md,
+# "Speculative decoding"): on 2 CPU cores drafting paid at every concurrency up to 8 (1.07-1.54x,
+# no break-even found); on the H200 at 32 concurrent requests it paid at the prompt-and-output
+# acceptance profile (1.17-1.22x) and lost at the prompt-only one (0.87-0.90x). 8 is inside
+# the range measured to pay on both.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 _COMMON_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size"}
 _METHOD_KEYS = {
     "ngram": {"prompt_lookup_min", "prompt_lookup_max"},

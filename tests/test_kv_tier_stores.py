@@ -201,3 +201,26 @@ def test_the_cost_model_turns_a_slow_tier_away_and_shrugs_off_a_compile_step():
     cost.observe_load("disk", 0.005)
     cost.observe_load("host", 0.0002)
     assert not cost.worth_loading("disk") and cost.worth_loading("host")
+
+
+def test_reads_queued_behind_a_slow_first_read_of_a_tier_become_misses(tmp_path):
+    """Lookups find the blocks before any read is timed; once the first reads measure the tier
+    slower than computing, the reads still queued are misses and never touch the store."""
+    from pagedrag.kv_tiers.cost_model import TierCostModel
+    from pagedrag.kv_tiers.tiers import KVTiers
+
+    store = DiskStore(tmp_path, 1 << 30, KEYSPACE)
+    cost = TierCostModel(block_size=4)
+    cost.observe_prefill(1000, 0.001)  # a block computes in 4 us
+    tiers = KVTiers([store], KEYSPACE, cost)
+    hashes = [seed.to_bytes(32, "little") for seed in range(6)]
+    for seed, block_hash in enumerate(hashes):
+        store.put(tiers.key(block_hash), _block(seed))
+    gets = []
+    real_get = store.get
+    store.get = lambda key: (gets.append(key), time.sleep(0.05), real_get(key))[2]  # 50 ms a read
+    results = [tiers.read(block_hash, _block(seed).token_ids) for seed, block_hash in enumerate(hashes)]
+    found = [future.result()[0] is not None for future in results]
+    tiers.close()
+    assert found[0] and not found[-1]  # the first read is served (and measured), the last is a miss
+    assert len(gets) <= 2  # the two reader threads' first reads only

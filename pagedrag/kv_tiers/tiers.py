@@ -7,8 +7,11 @@ engine finds it, even after a SIGKILL); a read tries the tiers in order (host, t
 and copies a disk hit into the host tier. Reads and writes run on threads of their own, never
 on the step loop: the scheduler asks ``read`` for a future and lets the request wait.
 
-Invariant: a read returns a block only when its stored token ids equal the ones asked for;
-everything else (not there, evicted meanwhile, corrupt, another tenant's) is None, a miss.
+Invariants: a read returns a block only when its stored token ids equal the ones asked for;
+everything else (not there, evicted meanwhile, corrupt, another tenant's) is None, a miss. A
+read queued behind others checks the cost model again when it starts: once the first reads of
+a tier measure it slower than computing, the rest of a request's reads from it are misses (its
+tokens are computed) instead of each paying the slow read.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ class KVTiers:
         for depth, store in enumerate(self.stores):
             if not (store.enabled and store.contains(key)):
                 continue
+            if not self.cost.worth_loading(store.name):  # measured slower than computing since the
+                return None, None  # read was asked for (the first reads of a slow tier): a miss
             start = time.perf_counter()
             block = store.get(key)
             seconds = time.perf_counter() - start

@@ -1,5 +1,5 @@
 """What the two integration test suites share: the RAG workload, the hit-rate arithmetic,
-and a real ``pagedrag serve`` on loopback.
+a real ``pagedrag serve`` on loopback, and an engine client with a fixed answer.
 
 The workload: 30 docstrings of four standard-library modules (pagedrag.rag.corpus) and 32
 questions about neighbouring topics, so that top-5 retrieval returns overlapping sets of
@@ -16,9 +16,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 
+from pagedrag.client import DEFAULT_MODEL_NAME, EngineClient, EngineInfo, Generation, WarmSummary
 from pagedrag.rag.corpus import DocChunk, stdlib_chunks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -105,6 +108,43 @@ def hit_rate(before: dict, after: dict) -> float:
     """Prefix-cache hit rate (tokens) between two ``stats()`` readings."""
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     return (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / queries
+
+
+# A finished reply with figures that the tests' engines (no KV tiers) never produce: of its 32
+# cached prompt tokens, 16 came from the host tier and 16 from the disk tier
+TIERED_REPLY = Generation("Paris.", "stop", prompt_tokens=40, completion_tokens=2, cached_tokens=32,
+                          tier_cache_hits={"host": 16, "disk": 16})
+
+
+class FixedClient(EngineClient):
+    """An engine client that answers every call with one fixed Generation (a stream: that
+    one as its only piece), so that an integration's public calls carry figures no engine
+    of the tests produces."""
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+
+    async def _generate(self, *args: Any, **kwargs: Any) -> Generation:
+        return self.generation
+
+    async def _stream(self, *args: Any, **kwargs: Any) -> AsyncIterator[Generation]:
+        yield self.generation
+
+    async def _warm(self, *args: Any, **kwargs: Any) -> WarmSummary:
+        return WarmSummary()
+
+    async def astats(self) -> dict[str, Any]:
+        return {}
+
+    async def ainfo(self) -> EngineInfo:
+        return EngineInfo(DEFAULT_MODEL_NAME, ENGINE_KWARGS["max_model_len"])
+
+
+def answering_with(model, generation: Generation):
+    """``model`` (a LangChain or LlamaIndex model of pagedrag, not yet connected) with a
+    FixedClient of ``generation`` as its engine client."""
+    model._client = FixedClient(generation)
+    return model
 
 
 def _free_port() -> int:

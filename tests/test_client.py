@@ -1,6 +1,7 @@
-"""pagedrag.client: the in-process and remote back ends give the same answers and figures,
-the remote one through the openai SDK (extras in extra_body, stats from /v1/stats, retries
-on the server's 503), and the synchronous bridge. One engine serves both back ends."""
+"""pagedrag.client: the in-process and remote back ends give the same answers and figures
+(KV-tier hits included), the remote one through the openai SDK (extras in extra_body, stats
+from /v1/stats, retries on the server's 503), and the synchronous bridge. One engine (with
+a host-memory KV tier) serves both back ends."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import asyncio
 import time
 
 import pytest
+from openai.types import CompletionUsage
 
-from pagedrag.client import (EngineClient, InProcessClient, RemoteClient, RemoteError, connect, iterate_sync,
-                             run_sync)
+from pagedrag.client import (EngineClient, Generation, InProcessClient, RemoteClient, RemoteError, connect,
+                             iterate_sync, run_sync)
+from pagedrag.client.remote import _with_usage
 from pagedrag.deltas import ChoiceCursor
 from pagedrag.outputs import CompletionOutput
 from pagedrag.sampling_params import SamplingParams
@@ -18,7 +21,9 @@ from pagedrag.server.app import build_app
 from pagedrag.server.background import BackgroundServer
 from pagedrag.server.serving import ServerConfig
 
-ENGINE_KWARGS = {"max_model_len": 512, "num_gpu_blocks_override": 128, "max_num_seqs": 16, "seed": 0}
+# with a small host-memory KV tier, whose hits the tier test below reads
+ENGINE_KWARGS = {"max_model_len": 512, "num_gpu_blocks_override": 128, "max_num_seqs": 16, "seed": 0,
+                 "kv_offloading_size": 0.05}
 KEY = "client-key"
 MESSAGES = [{"role": "system", "content": "You answer in one short sentence."},
             {"role": "user", "content": "What is the capital of France?"}]
@@ -109,6 +114,33 @@ def test_chunks_without_chunk_reuse_change_nothing(request, client_name):
     assert chunked.chunk_cache_hits == chunked.chunk_tokens_recomputed == 0
     assert chunked.prompt_tokens_computed == chunked.prompt_tokens - chunked.cached_tokens
     assert chunked.usage()["prompt_tokens_details"]["prompt_tokens_computed"] == chunked.prompt_tokens_computed
+
+
+def test_both_back_ends_report_the_tier_hits_the_engine_counted(local, remote):
+    """Once the pool has forgotten a warmed prompt, its blocks come from the host tier: both
+    back ends report them in the same fields, as the engine's own tier counters have them."""
+    prompt = PREFIX + "Which planet has the hottest surface?"
+    local.warm(prompt, cache_salt="tiers")
+    served_before = local.stats()["kv_tiers"]["hit_tokens"].get("host", 0)
+    replies = []
+    for client in (local, remote):
+        local.reset_prefix_cache()
+        replies.append(client.complete(prompt, _greedy(max_tokens=1), cache_salt="tiers"))
+    here, there = replies
+    assert here.cached_tokens == there.cached_tokens >= 64
+    assert here.tier_cache_hits == there.tier_cache_hits == {"host": here.cached_tokens, "disk": 0}
+    assert local.stats()["kv_tiers"]["hit_tokens"]["host"] - served_before == 2 * here.cached_tokens
+    assert there.usage()["prompt_tokens_details"]["tier_cache_hits"] == there.tier_cache_hits
+
+
+def test_a_server_without_tier_figures_reports_zeros():
+    """The SDK keeps the server's tier_cache_hits; an older server (no such key, or no
+    prompt_tokens_details at all) gives every tier 0, without an error."""
+    counts = {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41}
+    usages = [{**counts, "prompt_tokens_details": {"cached_tokens": 32, "tier_cache_hits": {"disk": 32}}},
+              {**counts, "prompt_tokens_details": {"cached_tokens": 32}}, counts]
+    hits = [_with_usage(Generation(""), CompletionUsage.model_validate(usage)).tier_cache_hits for usage in usages]
+    assert hits == [{"host": 0, "disk": 32}, {"host": 0, "disk": 0}, {"host": 0, "disk": 0}]
 
 
 def test_stats_and_info(local, remote):

@@ -1,18 +1,22 @@
 """The data-parallel router (pagedrag.router): the affinity policy, the block hashes it
 computes for request bodies (they must be the replica's own), summed metrics, the replica
 command line, and `pagedrag serve --data-parallel-size 2` end to end: requests sharing a
-prefix meet its cache, a killed replica is restarted and no request is lost, and replicas
-started after a prompt was warmed load its KV from the disk tier they share."""
+prefix meet its cache, a killed replica is restarted and no request is lost, a warm-up is sent
+to every replica and answered as one, and replicas started after a prompt was warmed load its
+KV from the disk tier they share."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -25,6 +29,7 @@ from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
 from pagedrag.router.data_parallel import ROUTER_DESTS, replica_argv
 from pagedrag.router.metrics_sum import merge_metrics
 from pagedrag.router.prompt_blocks import PromptBlocks
+from pagedrag.router.warm_fanout import warm_every_replica
 from pagedrag.server.background import free_port
 from pagedrag.server.cli import add_arguments
 
@@ -113,6 +118,46 @@ def test_replica_command_line_keeps_every_flag_but_the_routers():
     assert again.data_parallel_size == 1 and again.port == 8000
 
 
+def _fan_out(answers: dict[str, httpx.Response | Exception]) -> tuple[int, dict]:
+    """warm_every_replica over fake replicas named as ``answers``' keys, each giving its answer
+    (or raising it): the status and JSON body it answers with. Each replica is sent the caller's
+    API key once, and no request is left counted in flight."""
+    fakes = [SimpleNamespace(name=name, url=f"http://{name}", in_flight=0) for name in answers]
+    keys = []
+
+    def replica_side(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers["authorization"])
+        answer = answers[request.url.host]
+        if isinstance(answer, Exception):
+            raise answer
+        return httpx.Response(answer.status_code, content=answer.content, headers=answer.headers)  # one each
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(replica_side)) as client:
+            return await warm_every_replica(client, fakes, b"{}", {"authorization": "Bearer k"})
+
+    response = asyncio.run(run())
+    assert keys == ["Bearer k"] * len(answers) and all(fake.in_flight == 0 for fake in fakes)
+    return response.status_code, json.loads(response.body)
+
+
+def test_a_warm_up_through_the_router_is_every_replicas_answered_as_one():
+    warmed = httpx.Response(200, json={"object": "warm", "prompts": 1, "prompt_tokens": 40, "cached_tokens": 16})
+    refused = httpx.Response(400, json={"error": {"message": "give prompt", "type": "invalid_request_error"}})
+    full = httpx.Response(503, json={"error": {"message": "queue full", "code": "queue_full"}})
+    status, body = _fan_out({"a": warmed, "b": warmed})
+    assert status == 200 and (body["prompts"], body["prompt_tokens"], body["cached_tokens"]) == (2, 80, 32)
+    assert [(entry["replica"], entry["status"], entry["prompt_tokens"]) for entry in body["replicas"]] == \
+        [("a", 200, 40), ("b", 200, 40)]
+    status, body = _fan_out({"a": full, "b": warmed, "c": httpx.ConnectError("refused")})
+    assert status == 200 and body["prompt_tokens"] == 40
+    assert [(entry["replica"], entry["status"]) for entry in body["replicas"]] == [("a", 503), ("b", 200), ("c", 503)]
+    assert body["replicas"][0]["error"]["code"] == "queue_full"
+    assert "did not answer" in body["replicas"][2]["error"]["message"]
+    assert _fan_out({"a": warmed, "b": refused}) == (400, refused.json())  # a bad request is never a 200
+    assert _fan_out({"a": full, "b": httpx.ReadError("died")}) == (503, full.json())  # none warmed
+
+
 def _metric(url: str, name: str) -> dict[str, float]:
     """A counter per replica label ('' for the sum) from the router's /metrics."""
     text = httpx.get(url + "/metrics", timeout=10).text
@@ -198,6 +243,45 @@ def test_a_killed_replica_is_restarted_and_no_request_is_lost(router):
         statuses = [future.result().status_code for future in futures]
     assert statuses == [200] * 6
     _wait_for_both_replicas(url, process, {killed})
+
+
+def _disk_hits(url: str) -> dict[str, int]:
+    """The prompt tokens each replica has loaded from the disk tier, by replica name."""
+    replicas = httpx.get(url + "/v1/stats", timeout=30).json()["replicas"]
+    return {name: stats["kv_tiers"]["hit_tokens"].get("disk", 0) for name, stats in replicas.items()}
+
+
+def test_a_warm_up_through_the_router_fills_every_replicas_pool(router):
+    """POST /v1/warm through the router runs on both replicas; then both pools hold the
+    prompt: warming it again, each replica finds it cached without a block from the disk, and
+    a chat of the same conversation, whichever replica takes it, is a pool hit."""
+    url, _ = router
+    conversation = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": "Which module compresses and decompresses gzip files? " * 8}]
+    warmed = httpx.post(url + "/v1/warm", json={"conversations": [conversation]}, timeout=600)
+    assert warmed.status_code == 200, warmed.text
+    body = warmed.json()
+    assert [(entry["replica"], entry["status"], entry["prompts"]) for entry in body["replicas"]] == \
+        [("0", 200, 1), ("1", 200, 1)]
+    assert body["prompt_tokens"] == 2 * body["replicas"][0]["prompt_tokens"] > 64
+    disk_before = _disk_hits(url)
+    again = httpx.post(url + "/v1/warm", json={"conversations": [conversation]}, timeout=600)
+    assert again.status_code == 200, again.text
+    assert all(entry["cached_tokens"] >= 64 for entry in again.json()["replicas"]), again.text
+    assert _disk_hits(url) == disk_before
+    reply = httpx.post(url + "/v1/chat/completions", json={"max_tokens": 2, "temperature": 0,
+                                                          "messages": conversation}, timeout=600)
+    details = reply.json()["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens"] >= 64 and details["tier_cache_hits"].get("disk", 0) == 0, details
+
+
+def test_a_bad_warm_up_through_the_router_is_a_400(router):
+    url, _ = router
+    both_forms = {"prompt": "x", "conversations": [[{"role": "user", "content": "x"}]]}
+    for body in ({}, both_forms):
+        reply = httpx.post(url + "/v1/warm", json=body, timeout=60)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_replicas_started_after_a_warm_up_load_its_kv_from_the_shared_disk_tier(router):

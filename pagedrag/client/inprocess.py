@@ -18,7 +18,7 @@ from pagedrag.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.client.bridge import run_sync
 from pagedrag.client.types import (WARM_PARAMS, EngineClient, EngineInfo, Generation, Prompt, TokenLogprob,
-                                   ToolRequest, WarmSummary)
+                                   ToolRequest, WarmSummary, tier_hits)
 from pagedrag.tools import ToolCallSplitter, ToolParser, ToolPlan, whole_choice
 
 _Submission = tuple[ProcessedPrompt, SamplingParams, "asyncio.Future[RequestStream]"]
@@ -196,11 +196,13 @@ def _whole(output: RequestOutput, top: int | None, plan: ToolPlan | None, parser
                                more=tuple(more), **_prompt_counts(output))
 
 
-def _prompt_counts(output: RequestOutput) -> dict[str, int]:
-    """The Generation fields that count a request's prompt tokens and their cache hits."""
+def _prompt_counts(output: RequestOutput) -> dict[str, Any]:
+    """The Generation fields that count a request's prompt tokens and their cache hits (by
+    tier too)."""
     return {"prompt_tokens": len(output.prompt_token_ids), "cached_tokens": output.num_cached_tokens,
             "chunk_cache_hits": output.num_chunk_hit_tokens,
-            "chunk_tokens_recomputed": output.num_recomputed_tokens}
+            "chunk_tokens_recomputed": output.num_recomputed_tokens,
+            "tier_cache_hits": tier_hits(output.num_tier_hit_tokens)}
 
 
 def _choice(completion: CompletionOutput, top: int | None, plan: ToolPlan | None, parser: ToolParser) -> Generation:

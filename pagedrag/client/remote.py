@@ -1,7 +1,7 @@
 """The remote back end: a ``pagedrag serve`` (or any OpenAI-compatible server that reports
 ``usage.prompt_tokens_details.cached_tokens``) through the official openai SDK. A call's
-``chunks`` travel as pagedrag's ``prompt_chunks``, and the chunk-reuse figures come from
-pagedrag's keys in ``prompt_tokens_details`` (0 from a server without them).
+``chunks`` travel as pagedrag's ``prompt_chunks``, and the chunk-reuse and KV-tier figures come
+from pagedrag's keys in ``prompt_tokens_details`` (0 from a server without them).
 
 The SDK retries with backoff on connection errors and on 408/409/429/5xx answers (the
 server's 503 when its --max-queue is full included), pools connections, and types its
@@ -27,7 +27,8 @@ import httpx
 import openai
 
 from pagedrag.sampling_params import SamplingParams
-from pagedrag.client.types import EngineClient, EngineInfo, Generation, Prompt, TokenLogprob, ToolRequest, WarmSummary
+from pagedrag.client.types import (EngineClient, EngineInfo, Generation, Prompt, TokenLogprob, ToolRequest,
+                                   WarmSummary, tier_hits)
 from pagedrag.tools import ToolCall
 
 # SamplingParams fields that the SDK's create() names, always sent; the others are extras
@@ -244,7 +245,9 @@ def _chat_logprobs(logprobs) -> tuple[TokenLogprob, ...]:
 
 def _with_usage(generation: Generation, usage) -> Generation:
     """The generation with the token counts of the response's usage (if it had one); a
-    count the server did not report is 0."""
+    count the server did not report is 0. pagedrag's keys in ``prompt_tokens_details``
+    (chunk figures, ``tier_cache_hits``) are fields the SDK does not know, which it keeps
+    as attributes."""
     if usage is None:
         return generation
     details = usage.prompt_tokens_details
@@ -255,7 +258,8 @@ def _with_usage(generation: Generation, usage) -> Generation:
     return dataclasses.replace(generation, prompt_tokens=usage.prompt_tokens,
                                completion_tokens=usage.completion_tokens, cached_tokens=detail("cached_tokens"),
                                chunk_cache_hits=detail("chunk_cache_hits"),
-                               chunk_tokens_recomputed=detail("chunk_tokens_recomputed"))
+                               chunk_tokens_recomputed=detail("chunk_tokens_recomputed"),
+                               tier_cache_hits=tier_hits(getattr(details, "tier_cache_hits", None)))
 
 
 @contextlib.contextmanager

@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedrag.engine.inputs import check_conversation
+from pagedrag.kv_tiers.disk_store import DiskStore
+from pagedrag.kv_tiers.host_store import HostStore
 from pagedrag.models.loader import EMBEDDED_NAME
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.client.bridge import iterate_sync, run_sync
@@ -28,6 +30,20 @@ DEFAULT_MODEL_NAME = EMBEDDED_NAME
 Messages = list[dict[str, Any]]
 Prompt = str | Messages
 """A completion prompt (text) or a chat conversation (messages)."""
+KV_TIERS = (HostStore.name, DiskStore.name)
+"""The engine's KV tiers under its pool, nearest first: the keys of ``Generation.tier_cache_hits``."""
+
+
+def tier_hits(*figures: Mapping[str, int] | None) -> dict[str, int]:
+    """Prompt tokens loaded from each KV tier, every tier of KV_TIERS named (0: none), from
+    the engine's ``RequestOutput.num_tier_hit_tokens`` or a server's
+    ``prompt_tokens_details.tier_cache_hits`` (empty without tiers; None from a server that
+    does not report them); several figures are added up tier by tier."""
+    total = dict.fromkeys(KV_TIERS, 0)
+    for hits in figures:
+        for tier, tokens in (hits or {}).items():
+            total[tier] = total.get(tier, 0) + tokens
+    return total
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,9 @@ class Generation:
     Of the prompt tokens, ``cached_tokens`` came from the prefix cache and, with chunk reuse,
     ``chunk_cache_hits`` from chunks cached at another position; the model computed the rest
     (``prompt_tokens_computed``), ``chunk_tokens_recomputed`` of them tokens of reused chunks.
+    Of the cache hits (``cached_tokens`` and ``chunk_cache_hits``), ``tier_cache_hits`` counts
+    those loaded from each KV tier (``{"host": m, "disk": n}``, every tier named: see
+    ``tier_hits``; all 0 without tiers, or from a server that does not report them).
     """
 
     text: str
@@ -73,6 +92,7 @@ class Generation:
     tool_calls: tuple[ToolCall, ...] = ()
     chunk_cache_hits: int = 0
     chunk_tokens_recomputed: int = 0
+    tier_cache_hits: dict[str, int] = field(default_factory=tier_hits, hash=False)
 
     @classmethod
     def joined(cls, pieces: Sequence["Generation"]) -> "Generation":
@@ -98,21 +118,22 @@ class Generation:
         return self.prompt_tokens - self.cached_tokens - self.chunk_cache_hits
 
     def cache_figures(self) -> dict[str, Any]:
-        """Finish reason, token counts and hit rate, as the integrations report them."""
+        """Finish reason, token counts, hit rate and tier hits, as the integrations report them."""
         return {"finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
-                "cache_hit_rate": self.cache_hit_rate}
+                "cache_hit_rate": self.cache_hit_rate, "tier_cache_hits": dict(self.tier_cache_hits)}
 
     def usage(self) -> dict[str, Any]:
         """The token counts as OpenAI's ``usage`` object spells them (what LlamaIndex's
         TokenCountingHandler reads), cached prompt tokens in prompt_tokens_details with the
-        chunk-reuse figures that ``pagedrag serve`` adds there."""
+        chunk-reuse and tier figures that ``pagedrag serve`` adds there."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens,
                                           "chunk_cache_hits": self.chunk_cache_hits,
                                           "chunk_tokens_recomputed": self.chunk_tokens_recomputed,
-                                          "prompt_tokens_computed": self.prompt_tokens_computed}}
+                                          "prompt_tokens_computed": self.prompt_tokens_computed,
+                                          "tier_cache_hits": dict(self.tier_cache_hits)}}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ Invariants:
   before the reply is complete (before the first byte of a stream), the request goes to
   another replica: an accepted request is lost only if its stream had begun, or (503) after
   every replica failed it twice.
+- POST /v1/warm is the exception: it goes to every replica up at once and is answered as one
+  (router.warm_fanout).
 - A replica that dies is restarted (its estimated cache forgotten); while none is up,
   requests wait for one up to ``REPLICA_WAIT_S`` and are then answered 503.
 - /metrics and /v1/stats are every replica's figures and their sums (router.metrics_sum);
@@ -35,6 +37,7 @@ from starlette.background import BackgroundTask
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
 from pagedrag.router.metrics_sum import merge_metrics, merge_stats
 from pagedrag.router.prompt_blocks import PromptBlocks
+from pagedrag.router.warm_fanout import WARM_PATH, warm_every_replica
 from pagedrag.server.background import free_port
 from pagedrag.server.errors import APIError
 
@@ -113,18 +116,21 @@ class Replicas:
         except httpx.HTTPError:
             return False
 
-    async def pick(self, hashes: list[bytes], exclude: set[str]) -> LocalReplica:
-        """The policy's replica among those up (waiting for one if none is)."""
+    async def live(self) -> list[LocalReplica]:
+        """The replicas up, at least one: waits up to ``REPLICA_WAIT_S`` for one, then 503."""
         deadline = time.monotonic() + REPLICA_WAIT_S
-        while True:
-            candidates = [r for r in self.up() if r.name not in exclude] or self.up()
-            if candidates:
-                loads = {r.name: r.in_flight for r in candidates}
-                name = self.chooser.choose(hashes, loads)
-                return next(r for r in candidates if r.name == name)
+        while not (live := self.up()):
             if time.monotonic() > deadline:
                 raise APIError(503, "no engine replica is up", code="service_unavailable")
             await asyncio.sleep(0.2)
+        return live
+
+    async def pick(self, hashes: list[bytes], exclude: set[str]) -> LocalReplica:
+        """The policy's replica among those up but ``exclude`` (among all up if that leaves none)."""
+        live = await self.live()
+        candidates = [r for r in live if r.name not in exclude] or live
+        name = self.chooser.choose(hashes, {r.name: r.in_flight for r in candidates})
+        return next(r for r in candidates if r.name == name)
 
     async def stop(self) -> None:
         for replica in self.replicas:
@@ -173,6 +179,11 @@ def build_router_app(replicas: Replicas) -> FastAPI:
             raise APIError(503, "no engine replica is up", code="service_unavailable")
         return JSONResponse(merge_stats(replies))
 
+    @app.post(WARM_PATH)
+    async def warm(request: Request) -> Response:
+        return await warm_every_replica(replicas.client, await replicas.live(), await request.body(),
+                                        _forwarded_headers(request))
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(path: str, request: Request) -> Response:
         body = await request.body()
@@ -185,7 +196,7 @@ def build_router_app(replicas: Replicas) -> FastAPI:
 
 async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[bytes]) -> Response:
     """Send to the chosen replica; on a replica that fails before answering, to another."""
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+    headers = _forwarded_headers(request)
     tried: set[str] = set()
     for _ in range(2 * len(replicas.replicas) + 1):  # each replica twice: a restarted one may take it
         replica = await replicas.pick(hashes, tried)
@@ -202,6 +213,11 @@ async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[
             continue
         return reply.response(replica)
     raise APIError(503, "every engine replica failed to answer this request", code="service_unavailable")
+
+
+def _forwarded_headers(request: Request) -> dict[str, str]:
+    """The caller's headers a replica is sent (its API key among them): all but hop-by-hop ones."""
+    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
 
 
 @dataclass

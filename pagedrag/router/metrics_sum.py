@@ -5,12 +5,13 @@ it (the mean for the usage fractions, ``*_perc``), so that a dashboard built for
 reads the whole deployment unchanged. Creation-time series (``*_created``) are left out.
 /v1/stats: the counts summed, fractions averaged, the hit rate recomputed from the sums,
 settings (block size, max_model_len, device) as the first replica has them; each replica's
-own under ``replicas``."""
+own under ``replicas``. The same sums (``sum_fields``) make one /v1/warm answer of the
+replicas' (router.warm_fanout)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -58,12 +59,13 @@ def _escape_help(text: str) -> str:
     return text.replace("\\", r"\\").replace("\n", r"\n")
 
 
-def merge_stats(replies: Mapping[str, dict]) -> dict:
-    """Replicas' /v1/stats (by replica name, at least one) -> the deployment's."""
-    stats = list(replies.values())
+def sum_fields(replies: Sequence[dict]) -> dict:
+    """Replicas' JSON objects (at least one) -> one with the first one's keys: numbers summed,
+    fractions (``*_perc``) averaged, settings and anything not a number in every reply as the
+    first one has it."""
     merged: dict = {}
-    for key in stats[0]:
-        column = [entry.get(key) for entry in stats]
+    for key in replies[0]:
+        column = [entry.get(key) for entry in replies]
         numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in column)
         if key in _SETTINGS or not numbers:
             merged[key] = column[0]
@@ -71,6 +73,12 @@ def merge_stats(replies: Mapping[str, dict]) -> dict:
             merged[key] = sum(column) / len(column)
         else:
             merged[key] = sum(column)
+    return merged
+
+
+def merge_stats(replies: Mapping[str, dict]) -> dict:
+    """Replicas' /v1/stats (by replica name, at least one) -> the deployment's."""
+    merged = sum_fields(list(replies.values()))
     if merged.get("prefix_cache_queries"):
         merged["prefix_cache_hit_rate"] = merged["prefix_cache_hits"] / merged["prefix_cache_queries"]
     merged["replicas"] = dict(replies)

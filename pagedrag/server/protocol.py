@@ -362,11 +362,11 @@ class PromptTokensDetails(BaseModel):
     (0 without --enable-chunk-reuse): chunk_cache_hits (tokens whose KV came from a chunk
     cached at another position), chunk_tokens_recomputed (tokens of reused chunks computed
     again), prompt_tokens_computed (tokens the model computed, the recomputed ones included),
-    and tier_cache_hits: of cached_tokens, those loaded from a KV tier, by tier (``host``,
-    ``disk``; empty without tiers or without a tier hit).
+    and tier_cache_hits: of the cache hits (cached_tokens and chunk_cache_hits), those loaded
+    from a KV tier, by tier (``host``, ``disk``; empty without tiers or without a tier hit).
 
     Invariants: prompt_tokens = cached_tokens + chunk_cache_hits + prompt_tokens_computed;
-    sum(tier_cache_hits.values()) <= cached_tokens.
+    sum(tier_cache_hits.values()) <= cached_tokens + chunk_cache_hits.
     """
 
     cached_tokens: int = 0

@@ -153,8 +153,9 @@ def _with_response_format(call: dict[str, Any]) -> dict[str, Any]:
 
 def generation_info(choice: Generation, whole: Generation, model_label: str) -> dict[str, Any]:
     """What a finished completion reports: its finish reason, the request's token and cache
-    figures (with where the prompt tokens came from: ``chunk_reuse_figures``), the model, and
-    (when asked for) its logprobs as ChatOpenAI reports them."""
+    figures (``Generation.cache_figures``: tier hits included; with where the prompt tokens
+    came from: ``chunk_reuse_figures``), the model, and (when asked for) its logprobs as
+    ChatOpenAI reports them."""
     info = {**whole.cache_figures(), **chunk_reuse_figures(whole), "finish_reason": choice.finish_reason,
             "model_name": model_label}
     if choice.logprobs is not None:

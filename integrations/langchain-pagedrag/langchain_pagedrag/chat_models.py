@@ -48,12 +48,13 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
 
     A drop-in for ChatOpenAI (and ChatOllama where the names map): see LangChainSettings
     and pagedrag.rag.aliases. Every reply carries ``usage_metadata`` (cached prompt tokens
-    in ``input_token_details["cache_read"]``: prefix-cache and chunk-cache hits; in a
-    stream on the last chunk, unless ``stream_usage=False``) and ``response_metadata``
-    (finish_reason, prompt_tokens, completion_tokens, cached_tokens, cache_hit_rate,
-    prefix_cache_hits, chunk_cache_hits, chunk_tokens_recomputed, prompt_tokens_computed,
-    model_name; ``logprobs`` when asked for). With n > 1, ``generate`` returns n
-    generations per input (``invoke`` the first).
+    in ``input_token_details["cache_read"]``: prefix-cache and chunk-cache hits, of which
+    ``input_token_details["cache_read_by_tier"]`` came from each KV tier; in a stream on
+    the last chunk, unless ``stream_usage=False``) and ``response_metadata`` (finish_reason,
+    prompt_tokens, completion_tokens, cached_tokens, cache_hit_rate, tier_cache_hits
+    ({"host": m, "disk": n}), prefix_cache_hits, chunk_cache_hits, chunk_tokens_recomputed,
+    prompt_tokens_computed, model_name; ``logprobs`` when asked for). With n > 1,
+    ``generate`` returns n generations per input (``invoke`` the first).
     ``batch`` submits every input before collecting any, so the engine runs them as one
     batch. Decoding is greedy unless ``temperature`` says otherwise.
 
@@ -214,10 +215,16 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
 
 def _usage(generation: Generation) -> UsageMetadata:
     """The request's token usage; ``cache_read``: prompt tokens served by the prefix cache or
-    by reused chunks."""
+    by reused chunks, and next to it (a provider key, as InputTokenDetails allows)
+    ``cache_read_by_tier``: those of them loaded from each KV tier, ``{"host": m, "disk": n}``.
+
+    A dict, not an int per tier: LangChain's standard tests take the int details for
+    disjoint parts of input_tokens, which a share of cache_read is not; they skip a dict,
+    and ``add_usage`` adds dicts up key by key when stream chunks are summed."""
+    details = {"cache_read": cache_read_tokens(generation), "cache_read_by_tier": dict(generation.tier_cache_hits)}
     return UsageMetadata(input_tokens=generation.prompt_tokens, output_tokens=generation.completion_tokens,
                          total_tokens=generation.prompt_tokens + generation.completion_tokens,
-                         input_token_details={"cache_read": cache_read_tokens(generation)})
+                         input_token_details=details)
 
 
 def engine_messages(messages: Sequence[BaseMessage]) -> Messages:

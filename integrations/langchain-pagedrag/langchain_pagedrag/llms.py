@@ -12,12 +12,12 @@ from langchain_core.outputs import Generation as LCGeneration
 from langchain_core.outputs import GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
 
-from pagedrag.client import Generation, run_sync
+from pagedrag.client import Generation, run_sync, tier_hits
 from pagedrag.sampling_params import SamplingParams
 
 from ._engine import LangChainSettings, generation_info, openai_logprobs
 
-# The figures llm_output["token_usage"] sums over the prompts
+# The figures llm_output["token_usage"] sums over the prompts (and tier_cache_hits, tier by tier)
 _SUMMED = ("prompt_tokens", "completion_tokens", "cached_tokens", "prefix_cache_hits", "chunk_cache_hits",
            "chunk_tokens_recomputed", "prompt_tokens_computed")
 
@@ -28,12 +28,14 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
 
     Same settings as ChatPagedRAG (ChatOpenAI's names; pagedrag.rag.aliases). Each
     generation's ``generation_info`` holds the finish reason and the request's figures
-    (prompt_tokens, completion_tokens, cached_tokens, cache_hit_rate, prefix_cache_hits,
-    chunk_cache_hits, chunk_tokens_recomputed, prompt_tokens_computed; ``logprobs`` when
-    asked for); ``llm_output["token_usage"]`` sums the counts over the prompts. With n > 1
-    each prompt has n generations. ``batch`` and ``generate`` submit every prompt before
-    collecting any (one engine batch); with ``streaming=True`` each prompt is streamed
-    instead (callbacks see every token). With chunk reuse, each prompt's call passes its
+    (prompt_tokens, completion_tokens, cached_tokens, cache_hit_rate, tier_cache_hits
+    ({"host": m, "disk": n}: of the cache hits, those loaded from each KV tier),
+    prefix_cache_hits, chunk_cache_hits, chunk_tokens_recomputed, prompt_tokens_computed;
+    ``logprobs`` when asked for); ``llm_output["token_usage"]`` sums the counts over the
+    prompts (tier_cache_hits tier by tier). With n > 1 each prompt has n generations.
+    ``batch`` and ``generate`` submit every prompt before collecting any (one engine
+    batch); with ``streaming=True`` each prompt is streamed instead (callbacks see every
+    token). With chunk reuse, each prompt's call passes its
     ``chunks`` (``call_chunks``: a call's ``chunks=`` keyword, else the documents
     CanonicalDocuments(llm=this) told of that the prompt holds).
     """
@@ -129,8 +131,9 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
     def _result(self, wholes: list[Generation]) -> LLMResult:
         generations = [[LCGeneration(text=choice.text, generation_info=generation_info(choice, whole, self.model_label))
                         for choice in whole.choices] for whole in wholes]
-        usage = {key: sum(generation_info(whole, whole, self.model_label)[key] for whole in wholes)
-                 for key in _SUMMED}
+        infos = [generation_info(whole, whole, self.model_label) for whole in wholes]
+        usage = {**{key: sum(info[key] for info in infos) for key in _SUMMED},
+                 "tier_cache_hits": tier_hits(*(info["tier_cache_hits"] for info in infos))}
         return LLMResult(generations=generations, llm_output={"token_usage": usage, "model_name": self.model_label})
 
     def _chunk(self, piece: Generation, with_usage: bool) -> GenerationChunk:

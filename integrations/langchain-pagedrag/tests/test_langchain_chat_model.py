@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 from langchain_core.messages import AIMessageChunk, HumanMessage, SystemMessage
 from langchain_pagedrag import ChatPagedRAG
-from testing_support import ENGINE_KWARGS
+from testing_support import ENGINE_KWARGS, TIERED_REPLY, answering_with
 
 MESSAGES = [SystemMessage("You answer in one short sentence."), HumanMessage("What is the capital of France?")]
 FIGURES = {"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_hit_rate", "model_name",
-           "prefix_cache_hits", "chunk_cache_hits", "chunk_tokens_recomputed", "prompt_tokens_computed"}
+           "tier_cache_hits", "prefix_cache_hits", "chunk_cache_hits", "chunk_tokens_recomputed",
+           "prompt_tokens_computed"}
 
 
 def test_invoke_reports_usage_and_cache_figures(chat):
@@ -24,9 +25,24 @@ def test_invoke_reports_usage_and_cache_figures(chat):
     assert usage["input_token_details"]["cache_read"] == reply.response_metadata["cached_tokens"] > 0
     assert reply.response_metadata["prefix_cache_hits"] == reply.response_metadata["cached_tokens"]
     assert reply.response_metadata["chunk_cache_hits"] == 0  # chunk reuse is off
+    assert reply.response_metadata["tier_cache_hits"] == {"host": 0, "disk": 0}  # and so are KV tiers
+    assert usage["input_token_details"]["cache_read_by_tier"] == {"host": 0, "disk": 0}
     computed = usage["input_tokens"] - usage["input_token_details"]["cache_read"]
     assert reply.response_metadata["prompt_tokens_computed"] == computed
     assert reply.response_metadata["model_name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_tier_hits_sit_next_to_cache_read():
+    """A reply whose cache hits came from the KV tiers reports each tier's share next to
+    ``cache_read`` (in a dict, outside the int details that LangChain's standard tests take
+    for disjoint parts of input_tokens) and in response_metadata, whole and streamed."""
+    chat = answering_with(ChatPagedRAG(), TIERED_REPLY)
+    chunks = list(chat.stream(MESSAGES))
+    for reply in (chat.invoke(MESSAGES), sum(chunks[1:], chunks[0])):
+        details = reply.usage_metadata["input_token_details"]
+        assert details == {"cache_read": 32, "cache_read_by_tier": {"host": 16, "disk": 16}}
+        assert reply.usage_metadata["input_tokens"] >= sum(v for v in details.values() if isinstance(v, int))
+        assert reply.response_metadata["tier_cache_hits"] == {"host": 16, "disk": 16}
 
 
 def test_stream_adds_up_to_invoke(chat):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from langchain_pagedrag import PagedRAGLLM
-from testing_support import ENGINE_KWARGS, MAX_TOKENS
+from testing_support import ENGINE_KWARGS, MAX_TOKENS, TIERED_REPLY, answering_with
 
 PROMPTS = ["Python's json module turns Python objects into JSON text and back again. The function that "
            "returns a JSON string is called", "One, two, three,"]
@@ -22,7 +22,14 @@ def test_generate_reports_cache_figures_per_prompt_and_in_total(llm):
     assert infos[0]["prompt_tokens"] > 16 and infos[0]["cached_tokens"] >= 16  # the repeat hits its full blocks
     assert infos[0]["finish_reason"] == "length" and infos[0]["completion_tokens"] == MAX_TOKENS
     assert result.llm_output["token_usage"]["prompt_tokens"] == sum(info["prompt_tokens"] for info in infos)
+    assert infos[0]["tier_cache_hits"] == result.llm_output["token_usage"]["tier_cache_hits"] == {"host": 0, "disk": 0}
     assert result.llm_output["model_name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_token_usage_adds_up_the_tier_hits_tier_by_tier():
+    result = answering_with(PagedRAGLLM(), TIERED_REPLY).generate(PROMPTS)
+    assert [g[0].generation_info["tier_cache_hits"] for g in result.generations] == [{"host": 16, "disk": 16}] * 2
+    assert result.llm_output["token_usage"]["tier_cache_hits"] == {"host": 32, "disk": 32}
 
 
 def test_invoke_batch_and_stream_agree(llm):

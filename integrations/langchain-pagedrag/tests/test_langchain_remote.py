@@ -26,6 +26,8 @@ def test_remote_reports_cache_read_from_usage(remote):
     again = remote.invoke(MESSAGES)
     assert again.usage_metadata["input_token_details"]["cache_read"] > 0
     assert again.response_metadata["cached_tokens"] == again.usage_metadata["input_token_details"]["cache_read"]
+    assert again.response_metadata["tier_cache_hits"] == {"host": 0, "disk": 0}  # the server has no KV tiers
+    assert again.usage_metadata["input_token_details"]["cache_read_by_tier"] == {"host": 0, "disk": 0}
 
 
 def test_remote_stream_batch_and_async(remote):

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
 from llama_index.llms.pagedrag import PagedRAG
-from testing_support import ENGINE_KWARGS
+from testing_support import ENGINE_KWARGS, TIERED_REPLY, answering_with
 
 MESSAGES = [ChatMessage(role=MessageRole.SYSTEM, content="You answer in one short sentence."),
             ChatMessage(role=MessageRole.USER, content="What is the capital of France?")]
 FIGURES = {"finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_hit_rate",
-           "prefix_cache_hits", "chunk_cache_hits", "chunk_tokens_recomputed", "prompt_tokens_computed"}
+           "tier_cache_hits", "prefix_cache_hits", "chunk_cache_hits", "chunk_tokens_recomputed",
+           "prompt_tokens_computed"}
 
 
 def test_metadata_describes_the_engine(llm):
@@ -32,8 +33,20 @@ def test_chat_reports_cache_figures_and_hits_on_a_repeat(llm):
     assert second.additional_kwargs["prompt_tokens"] == first.additional_kwargs["prompt_tokens"]
     assert second.additional_kwargs["cached_tokens"] == second.additional_kwargs["prefix_cache_hits"] > 0
     assert second.additional_kwargs["chunk_cache_hits"] == 0  # chunk reuse is off
+    tier_hits = second.raw["usage"]["prompt_tokens_details"]["tier_cache_hits"]
+    assert second.additional_kwargs["tier_cache_hits"] == tier_hits == {"host": 0, "disk": 0}  # no KV tiers either
     assert second.additional_kwargs["cache_hit_rate"] == pytest.approx(
         second.additional_kwargs["cached_tokens"] / second.additional_kwargs["prompt_tokens"])
+
+
+def test_tier_hits_go_where_cached_tokens_go():
+    """A response whose cache hits came from the KV tiers reports each tier's share in
+    additional_kwargs, raw and raw["usage"]["prompt_tokens_details"], whole and streamed."""
+    llm = answering_with(PagedRAG(), TIERED_REPLY)
+    for response in (llm.chat(MESSAGES), list(llm.stream_chat(MESSAGES))[-1], llm.complete("Paris is")):
+        tier_hits = response.raw["usage"]["prompt_tokens_details"]["tier_cache_hits"]
+        assert response.additional_kwargs["tier_cache_hits"] == response.raw["tier_cache_hits"] == tier_hits
+        assert tier_hits == {"host": 16, "disk": 16}
 
 
 def test_chat_goes_through_the_models_chat_template(llm):

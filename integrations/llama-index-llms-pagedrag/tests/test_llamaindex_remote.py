@@ -26,6 +26,7 @@ def test_remote_reports_cached_tokens_from_usage(remote):
     remote.chat(MESSAGES)
     again = remote.chat(MESSAGES)
     assert again.additional_kwargs["cached_tokens"] > 0
+    assert again.additional_kwargs["tier_cache_hits"] == {"host": 0, "disk": 0}  # the server has no KV tiers
     assert again.additional_kwargs["finish_reason"] in ("stop", "length")
 
 

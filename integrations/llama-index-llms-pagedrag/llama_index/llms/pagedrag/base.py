@@ -65,10 +65,11 @@ class PagedRAG(ChunkReuseSettings, FunctionCallingLLM):
     is given, ``best_of`` must be None or n, and ``openai_like`` changes nothing (the
     OpenAI routes are always used; a warning says so).
 
-    Every response carries the request's figures in ``additional_kwargs`` and ``raw``
-    (with OpenAI's ``usage`` and all n ``choices``; see ``responses``); ``stats()``
-    returns the engine's counters as ``pagedrag.LLM.stats()`` does. ``context_window``
-    follows the engine's max_model_len unless given.
+    Every response carries the request's figures (KV-tier hits in ``tier_cache_hits``
+    included) in ``additional_kwargs`` and ``raw`` (with OpenAI's ``usage`` and all n
+    ``choices``; see ``responses``); ``stats()`` returns the engine's counters as
+    ``pagedrag.LLM.stats()`` does. ``context_window`` follows the engine's max_model_len
+    unless given.
 
     Chunk reuse (``enable_chunk_reuse=True``, ``chunk_recompute_fraction``: EngineArgs
     fields, in ``engine_kwargs`` / ``vllm_kwargs`` or as arguments of their own; refused

@@ -2,12 +2,13 @@
 
 Invariants: a whole response (and the last piece of a stream) carries the request's token
 counts twice: flat in ``additional_kwargs`` (finish_reason, prompt_tokens,
-completion_tokens, cached_tokens, cache_hit_rate, and where the prompt tokens came from:
+completion_tokens, cached_tokens, cache_hit_rate, tier_cache_hits ({"host": m, "disk": n}:
+of the cache hits, those loaded from each KV tier), and where the prompt tokens came from:
 prefix_cache_hits (= cached_tokens), chunk_cache_hits, chunk_tokens_recomputed,
 prompt_tokens_computed; see ``chunk_reuse_figures``) and in ``raw`` next to OpenAI's
 ``usage`` object (prompt_tokens, completion_tokens, total_tokens,
-prompt_tokens_details.cached_tokens and the chunk figures), which LlamaIndex's
-TokenCountingHandler reads.
+prompt_tokens_details.cached_tokens, the chunk figures and tier_cache_hits), which
+LlamaIndex's TokenCountingHandler reads.
 ``raw["choices"]`` holds every one of the n completions; the response's text is the first.
 Earlier pieces of a stream carry no counts (raw None, additional_kwargs empty). Tool calls
 are the message's (``message.additional_kwargs["tool_calls"]``), never the response's.

@@ -213,7 +213,7 @@ def test_reads_queued_behind_a_slow_first_read_of_a_tier_become_misses(tmp_path)
     cost = TierCostModel(block_size=4)
     cost.observe_prefill(1000, 0.001)  # a block computes in 4 us
     tiers = KVTiers([store], KEYSPACE, cost)
-    hashes = [seed.to_bytes(32, "little") for seed in range(6)]
+    hashes = [seed.to_bytes(32, "little") for seed in range(12)]
     for seed, block_hash in enumerate(hashes):
         store.put(tiers.key(block_hash), _block(seed))
     gets = []
@@ -222,5 +222,5 @@ def test_reads_queued_behind_a_slow_first_read_of_a_tier_become_misses(tmp_path)
     results = [tiers.read(block_hash, _block(seed).token_ids) for seed, block_hash in enumerate(hashes)]
     found = [future.result()[0] is not None for future in results]
     tiers.close()
-    assert found[0] and not found[-1]  # the first read is served (and measured), the last is a miss
-    assert len(gets) <= 2  # the two reader threads' first reads only
+    assert found[0] and not found[-1]  # the first reads are served (and measured), the last is a miss
+    assert len(gets) <= 5  # four measured reads (one more on the other reader thread) at most

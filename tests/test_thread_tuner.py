@@ -81,3 +81,25 @@ def test_the_tuner_only_runs_by_default_in_a_process_of_its_own():
         assert tuned is None or tuned.candidates[0] == 1  # None on a one-core machine
     finally:
         torch.set_num_threads(before)
+
+
+def test_decode_batches_of_different_sizes_do_not_look_like_a_machine_turned_busy(monkeypatch):
+    """A decode step's time hardly depends on its rows: steps of 4 to 7 rows each keep their
+    own figures, so a losing count stays rare instead of being probed again and again."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    machine = FakeMachine({1: 0.033, 2: 0.100})  # busy: one thread wins whatever the rows
+    tuner = ThreadTuner(2, clock=machine.clock)
+    for step in range(4000):
+        machine.run(tuner, 1, num_tokens=4 + step % 4)
+    assert machine.threads_used[2000:].count(2) / 2000 < 0.01
+
+
+def test_the_callers_thread_count_is_kept_across_an_engine_step():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with ThreadTuner.caller_threads_kept():
+            torch.set_num_threads(1)  # what a step's forward pass may pick
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

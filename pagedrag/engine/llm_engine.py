@@ -8,6 +8,8 @@ turns sampled tokens into outputs (stops, text, metrics).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import functools
 from concurrent.futures import Future
 import itertools
@@ -197,10 +199,11 @@ class LLMEngine:
         """
         probing = self.probation.head() if self.probation else None
         try:
-            if probing is not None:
-                outputs = self._probe(probing)
-            else:
-                outputs = self._run_step(self.scheduler.schedule, self.async_scheduling)
+            with nullcontext() if self.runner.threads is None else self.runner.threads.caller_threads_kept():
+                if probing is not None:
+                    outputs = self._probe(probing)
+                else:
+                    outputs = self._run_step(self.scheduler.schedule, self.async_scheduling)
         except Exception as error:
             outputs = self._recover(error, probing)
         else:

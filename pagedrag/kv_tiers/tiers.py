@@ -10,8 +10,8 @@ on the step loop: the scheduler asks ``read`` for a future and lets the request 
 Invariants: a read returns a block only when its stored token ids equal the ones asked for;
 everything else (not there, evicted meanwhile, corrupt, another tenant's) is None, a miss. A
 read queued behind others checks the cost model again when it starts: once the first reads of
-a tier measure it slower than computing, the rest of a request's reads from it are misses (its
-tokens are computed) instead of each paying the slow read.
+a tier (at least four) measure it slower than computing, the rest of a request's reads from it
+are misses (its tokens are computed) instead of each paying the slow read.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ class KVTiers:
         self.stats = TierStats()
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedrag-kv-read")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrag-kv-write")  # FIFO
-        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:  # lowered for the process, never raised
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self._switch_interval = sys.getswitchinterval()  # the process's, given back by close()
+        sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
 
     @property
     def enabled(self) -> bool:
@@ -96,8 +96,8 @@ class KVTiers:
         for depth, store in enumerate(self.stores):
             if not (store.enabled and store.contains(key)):
                 continue
-            if not self.cost.worth_loading(store.name):  # measured slower than computing since the
-                return None, None  # read was asked for (the first reads of a slow tier): a miss
+            if self.cost.measured_slower(store.name):  # since the read was asked for (the first
+                return None, None  # reads of a slow tier): a miss, its tokens are computed
             start = time.perf_counter()
             block = store.get(key)
             seconds = time.perf_counter() - start
@@ -148,6 +148,7 @@ class KVTiers:
         self.written().result()
         self._readers.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        sys.setswitchinterval(self._switch_interval)
 
     def snapshot(self) -> dict:
         """Each tier's use and capacity, the traffic so far and the cost model's figures."""

@@ -7,20 +7,24 @@ threads wait on each other at every operator and run 1.5-10x slower than one thr
 runs, so the choice is measured, per step size, and measured again from time to time.
 
 Invariants:
-- Steps are grouped into buckets by their token count (powers of two: 1, 2-3, 4-7, ...).
-  Each bucket holds a current thread count; a step runs with it unless it is a probe. A
-  bucket starts at one thread below ``LARGE_STEP_TOKENS`` tokens (where threads that share a
-  core with other work hurt most: 5-6x slower steps) and at all threads from there.
+- Steps are grouped into buckets by their token count: one bucket per count below
+  ``LARGE_STEP_TOKENS`` (a decode step's time hardly depends on its rows, so its time per
+  token does), powers of two from there (prefill time grows with its tokens). Each bucket holds
+  a current thread count; a step runs with it unless it is a probe. A bucket starts at one
+  thread below ``LARGE_STEP_TOKENS`` tokens (where threads that share a core with other work
+  hurt most: 5-6x slower steps) and at all threads from there.
 - A probe runs up to ``PROBE_STEPS`` steps of the bucket at a neighbouring thread count. The
-  neighbour becomes current when each of them beats the current count's recent median time
-  per token by ``SWITCH_MARGIN``. A probe step that does not beat it ends the probe at once, and
-  the bucket then waits longer before probing again: ``LOSING_GROWTH`` times as long, or as
-  many times longer as the probe step was slower (at most ``MAX_PROBE_INTERVAL`` steps), so probes that keep
-  losing cost about 1% of the steps once the engine has run a few hundred. A step at the
-  current count ``SLOWDOWN`` times slower than its recent ones (another process took a core)
-  brings the next probe close again.
+  neighbour becomes current when their median time per token beats the current count's recent
+  median by ``SWITCH_MARGIN``; if it does not, the next probe waits twice as long. A probe step
+  ``CLEAR_LOSS`` times slower than the current count ends the probe at once, and the next waits
+  ``LOSING_GROWTH`` times as long, or as many times longer as that step was slower (at most
+  ``MAX_PROBE_INTERVAL`` steps): probes that keep losing cost about 1% of the steps once the
+  engine has run a few hundred. A step at the current count ``SLOWDOWN`` times slower than its
+  recent ones (another process took a core) brings the next probe close again.
 - Only the step's forward pass is timed; CPU compute is synchronous, so that time is the
-  step's work, including any wait for a core held by another process.
+  step's work, including any wait for a core held by another process. The rest of the engine
+  step (sampling) runs at the count its forward pass took; ``caller_threads_kept`` gives the
+  calling thread its own count back once the engine step is over.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ LOSING_GROWTH = 4  # after a lost probe the next waits 4x longer: 2, 8, 32, ... 
 MAX_PROBE_INTERVAL = 1024
 PROBE_STEPS = 3
 SWITCH_MARGIN = 0.95  # a neighbour must be 5% faster to take over: noise must not flip the choice
+CLEAR_LOSS = 1.25  # a probe step this much slower than the current count ends the probe at once
 SLOWDOWN = 1.5  # a step this much slower than the recent ones: the machine changed, probe soon
 RECENT_STEPS = 3
 
@@ -95,6 +100,17 @@ class ThreadTuner:
         yield threads
         self._record(bucket, index, (self._clock() - start) / max(num_tokens, 1))
 
+    @staticmethod
+    @contextmanager
+    def caller_threads_kept():
+        """Around an engine step: the calling thread's torch thread count is as it was after it."""
+        threads = torch.get_num_threads()
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
     def _index_for_step(self, bucket: _Bucket) -> int:
         if bucket.probing is None and len(self.candidates) > 1:
             bucket.steps_until_probe -= 1
@@ -118,19 +134,23 @@ class ThreadTuner:
                 bucket.steps_until_probe = min(bucket.steps_until_probe, FIRST_PROBE_AFTER)
             bucket.recent.append(seconds_per_token)
             return
-        current = statistics.median(bucket.recent)
-        if seconds_per_token >= SWITCH_MARGIN * current:  # losing: stop now, wait longer next time
+        current = max(statistics.median(bucket.recent), 1e-12)
+        if seconds_per_token >= CLEAR_LOSS * current:  # clearly losing: stop now, wait longer next time
             growth = max(LOSING_GROWTH, round(seconds_per_token / current))
             bucket.probe_interval = min(growth * bucket.probe_interval, MAX_PROBE_INTERVAL)
         else:
             bucket.probe_times.append(seconds_per_token)
             if len(bucket.probe_times) < PROBE_STEPS:
                 return
-            bucket.current, bucket.probe_interval = index, FIRST_PROBE_AFTER  # it won every step
-            bucket.recent.clear()
-            bucket.recent.extend(bucket.probe_times)
+            if statistics.median(bucket.probe_times) < SWITCH_MARGIN * current:
+                bucket.current, bucket.probe_interval = index, FIRST_PROBE_AFTER
+                bucket.recent.clear()
+                bucket.recent.extend(bucket.probe_times)
+            else:
+                bucket.probe_interval = min(2 * bucket.probe_interval, MAX_PROBE_INTERVAL)
         bucket.steps_until_probe, bucket.probing = bucket.probe_interval, None
 
 
 def _bucket_of(num_tokens: int) -> int:
-    return max(num_tokens, 1).bit_length()
+    num_tokens = max(num_tokens, 1)
+    return num_tokens if num_tokens < LARGE_STEP_TOKENS else LARGE_STEP_TOKENS + num_tokens.bit_length()

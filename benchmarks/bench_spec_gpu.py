@@ -35,6 +35,7 @@ import torch
 
 from bench_gpu import llama3_config, rag_prompts, timed
 from pagedrag import LLM, SamplingParams
+from pagedrag.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 from pagedrag.worker import model_runner
 from pagedrag.worker.sampler import Sample
 
@@ -174,7 +175,7 @@ def report(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
     print(f"| without drafting | {workload:.0f} | 1.00x |")
     for name, p in PROFILES.items():
         proposer.p = p
-        for gate in (64, 4):
+        for gate in (64, DEFAULT_DISABLE_BY_BATCH_SIZE):
             engine.drafter.config = type(engine.drafter.config)(**{**_fields(engine.drafter.config),
                                                                   "disable_by_batch_size": gate})
             rate = statistics.median(len(prompts) * tokens / timed(lambda: generate(prompts, on)) for _ in range(2))

@@ -76,8 +76,6 @@ def _burn(seconds: float) -> None:
 
 def run_setting(setting: dict, tokens: int, busy: bool) -> dict:
     env = {**os.environ, **setting["env"]}
-    if "OMP_WAIT_POLICY" in setting["env"]:
-        env.pop("GOMP_SPINCOUNT", None)  # this process's import of pagedrag set it; it would override the policy
     code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import bench_threads as b; "
             f"print(json.dumps(b._workloads({setting['cpu_threads']!r}, {tokens})))")
     burner = multiprocessing.Process(target=_burn, args=(900,), daemon=True) if busy else None

@@ -15,10 +15,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# On CPU a verification run stays one causal run: one decode row per drafted token gathers the
-# context again for each (measured slower, RESULTS.md "Speculative decoding").
-VERIFY_AS_DECODE_ROWS = False
-
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

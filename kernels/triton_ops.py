@@ -37,11 +37,6 @@ from .fused_rope import rotary_embedding
 from .prefill_attention import prefix_prefill_attention as _prefill
 from .store_kv import store_kv as _store
 
-# A verification run (a decoding row's next token and its draft) goes to the decode kernel as
-# one row per token, each over the context up to that token: the rows share their blocks, which
-# stay in L2 across the rows of a layer, and the step replays a decode CUDA graph.
-VERIFY_AS_DECODE_ROWS = True
-
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

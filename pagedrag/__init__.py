@@ -15,9 +15,15 @@ if "torch" not in sys.modules:
     # hundred operators (1.5x slower decode, RESULTS.md "CPU threads"). A short spin keeps
     # them awake within a step and asleep between steps; worker/thread_tuner.py drops to
     # fewer threads when other work holds a core. libgomp reads this when torch starts it.
-    # A wait policy the user chose stands (libgomp lets GOMP_SPINCOUNT override it).
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+    # A wait policy the user chose stands (libgomp lets GOMP_SPINCOUNT override it). The
+    # variable is set only while torch loads, so the application's child processes do not
+    # inherit it.
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = "10000"
+        try:
+            import torch  # noqa: F401  (libgomp reads its environment as torch loads it)
+        finally:
+            del os.environ["GOMP_SPINCOUNT"]
 
 from pagedrag.config import EngineArgs  # noqa: E402  (after the OpenMP setting)
 from pagedrag.outputs import CompletionOutput, RequestOutput  # noqa: E402

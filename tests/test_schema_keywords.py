@@ -173,6 +173,11 @@ CASES = [
              ["[1,2]"], ["[1,1]", "[1,1.0]"]),
     enforced("const", {"const": {"type": "array", "uniqueItems": True, "items": {"enum": [1]}}},
              ['{"type":"array","uniqueItems":true,"items":{"enum":[1]}}'], ["[]", "[1]"]),
+    # a property named like a data keyword holds a schema like any other
+    *(enforced("uniqueItems", {"type": "object", "properties": {name: {"type": "array", "items": {"enum": ["a", "b"]},
+                                                                       "uniqueItems": True}}},
+               [f'{{"{name}":["b","a"]}}'], [f'{{"{name}":["a","a"]}}', f'{{"{name}":["a","b","a"]}}'])
+      for name in ("default", "enum", "const")),
     enforced("uniqueItems", {"type": "array", "items": ABC, "uniqueItems": False, "maxItems": 2}, ['["a","a"]'],
              ["[1]"]),
     refused("maxContains", {"type": "array", "items": ABC, "maxContains": 1}),

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from model_fixtures import make_tiny_model
 from pagedrag import LLM, SamplingParams
-from pagedrag.kernels import reference
+from pagedrag.worker.cuda_graphs import GraphShape, StepGraphs, verification_shapes
 from pagedrag.config import EngineArgs
 from pagedrag.core.request import Request
 from pagedrag.server.cli import add_arguments, engine_args_from
@@ -86,17 +86,6 @@ def test_greedy_equals_hf_and_no_speculation_with_prefix_caching(tiny, method):
     assert stats["spec_decode_mean_acceptance_length"] > 1
     assert sum(stats["spec_decode_num_accepted_tokens_per_pos"]) == stats["spec_decode_num_accepted_tokens"]
     assert outputs[0].spec_decode.num_accepted_tokens > 0
-    assert_all_free(llm)
-
-
-def test_verification_as_decode_rows_stays_exact(tiny, monkeypatch):
-    """The GPU's layout (kernels' VERIFY_AS_DECODE_ROWS: one decode row per verified token,
-    each over the context up to it) gives the same tokens, here through the CPU's kernels."""
-    monkeypatch.setattr(reference, "VERIFY_AS_DECODE_ROWS", True)
-    path, references = tiny
-    llm = make_llm(path, NGRAM)
-    assert token_ids(generate(llm, repeating_prompts())) == references
-    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
     assert_all_free(llm)
 
 
@@ -321,3 +310,17 @@ def test_draft_limit_follows_recent_acceptance():
     assert request.spec_decode.num_accepted_tokens_per_pos == [4, 3, 2, 1, 1, 1]
     drafter.finish(request)
     assert "r" not in drafter.limits
+
+
+def test_verification_steps_replay_graphs_of_their_own():
+    """On CUDA a step of drafting rows (1 + k tokens each) replays a graph of its shape, up
+    to the drafting gate; above it drafting stops, so no such step comes."""
+    graphs = StepGraphs(torch.nn.Identity(), [], None, max_batch=32, max_blocks_per_seq=4,
+                        device=torch.device("cpu"), verification=verification_shapes(8, 4))
+    assert verification_shapes(0, 4) == []
+    assert {s.num_tokens for s in verification_shapes(1, 8)} == {2, 3, 5, 9}
+    assert graphs.shape_for(1, 5, decode=False) == GraphShape(1, 5)
+    shorter_drafts = graphs.shape_for(3, 13, decode=False)  # the smallest that holds it
+    assert shorter_drafts.num_seqs >= 3 and 13 <= shorter_drafts.num_tokens <= 20
+    assert graphs.shape_for(8, 40, decode=False) == GraphShape(8, 40)
+    assert graphs.shape_for(3, 3, decode=True) == GraphShape(4, 4)

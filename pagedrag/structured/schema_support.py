@@ -198,22 +198,34 @@ def _check_combinators(node: Mapping, path: str, root: Any) -> None:
                       "anyOf); make them disjoint by type, const / enum or a required const property, or use anyOf")
 
 
+def subschemas(node: Mapping) -> list[tuple[str, str | int | None, Any]]:
+    """(keyword, key, subschema) for each subschema directly in ``node`` that the backend reads:
+    ``node[keyword][key]`` (key a property name or pattern, a $defs name, or a list index), or
+    ``node[keyword]`` where key is None. Nothing else is a schema position: the values of enum,
+    const, default and examples are data, a name under properties is never a keyword, and the
+    subschemas of keywords refused by name (not, if, contains, ...) never reach the backend."""
+    found: list[tuple[str, str | int | None, Any]] = []
+    for keyword in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(node.get(keyword), Mapping):
+            found += [(keyword, name, child) for name, child in node[keyword].items()]
+    for keyword in ("prefixItems", "anyOf", "oneOf", "allOf"):
+        if isinstance(node.get(keyword), list):
+            found += [(keyword, i, child) for i, child in enumerate(node[keyword])]
+    for keyword in ("items", "additionalItems", "unevaluatedItems", "additionalProperties",
+                    "unevaluatedProperties", "propertyNames"):
+        if keyword in node:
+            found.append((keyword, None, node[keyword]))
+    return found
+
+
 def _subschemas(node: Mapping, path: str) -> list[tuple[Any, str]]:
     """(subschema, its path) for every place the walk goes on from ``node``."""
     found = []
-    for keyword in ("properties", "patternProperties", "$defs", "definitions"):
-        if isinstance(node.get(keyword), Mapping):
-            found += [(child, f"{path}.{keyword}{_key(name)}") for name, child in node[keyword].items()]
-    for keyword in ("prefixItems", "anyOf", "oneOf", "allOf"):
-        if isinstance(node.get(keyword), list):
-            found += [(child, f"{path}.{keyword}[{i}]") for i, child in enumerate(node[keyword])]
-    for keyword in ("items", "additionalItems", "unevaluatedItems", "additionalProperties",
-                    "unevaluatedProperties"):
-        if keyword in node:
-            found.append((node[keyword], f"{path}.{keyword}"))
-    names = node.get("propertyNames")
-    if isinstance(names, Mapping):  # it applies to names: strings, whether or not it says so
-        found.append(({"type": "string", **names}, f"{path}.propertyNames"))
+    for keyword, key, child in subschemas(node):
+        step = "" if key is None else f"[{key}]" if isinstance(key, int) else _key(key)
+        if keyword == "propertyNames" and isinstance(child, Mapping):
+            child = {"type": "string", **child}  # it applies to names: strings, whether or not it says so
+        found.append((child, f"{path}.{keyword}{step}"))
     return found
 
 

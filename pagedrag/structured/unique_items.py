@@ -10,9 +10,11 @@ xgrammar enforces. ``minItems`` / ``maxItems`` keep the lengths they allow.
 
 Invariant: a rewritten schema accepts the arrays the original accepts (distinct items, each
 one of the values, within the length bounds), written with each value as the enum lists it
-(of values JSON counts as equal, such as 1 and 1.0, the first). Only schema positions are
-rewritten, never data (``enum``, ``const``, ``default``, ``examples``). A ``uniqueItems:
-true`` that is not of that form is left alone, and schema_support refuses it by name.
+(of values JSON counts as equal, such as 1 and 1.0, the first). The walk goes only where
+schema_support's check goes (``subschemas``): data (the values of ``enum``, ``const``,
+``default``, ``examples``) is never rewritten, and a property named ``default`` or ``enum``
+is a schema like any other. A ``uniqueItems: true`` that is not of that form is left alone,
+and schema_support refuses it by name.
 """
 
 from __future__ import annotations
@@ -22,25 +24,33 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from pagedrag.structured.schema_support import subschemas
+
 MAX_UNIQUE_VALUES = 5  # 326 sequences: the grammar stays small and compiles in milliseconds
 ARRAY_KEYWORDS = frozenset({"type", "items", "uniqueItems", "minItems", "maxItems"})
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated",
                          "readOnly", "writeOnly"})
-DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 
 
 def enforce_unique_items(schema: Any) -> Any:
     """``schema`` with every ``uniqueItems: true`` array of at most MAX_UNIQUE_VALUES enum or
-    const values rewritten into its distinct sequences; everything else as it was."""
-    if isinstance(schema, Mapping):
-        rewritten = _sequences(schema)
-        if rewritten is not None:
-            return rewritten
-        return {key: value if key in DATA_KEYWORDS else enforce_unique_items(value)
-                for key, value in schema.items()}
-    if isinstance(schema, list):
-        return [enforce_unique_items(value) for value in schema]
-    return schema
+    const values at a schema position rewritten into its distinct sequences; everything else
+    as it was. ``schema`` itself is left unchanged: each mapping or list on the way is copied."""
+    if not isinstance(schema, Mapping):
+        return schema
+    rewritten = _sequences(schema)
+    if rewritten is not None:
+        return rewritten
+    result = dict(schema)
+    for keyword, key, child in subschemas(schema):
+        if key is None:
+            result[keyword] = enforce_unique_items(child)
+            continue
+        original = schema[keyword]  # properties, anyOf, ...: copied before its first child changes
+        if result[keyword] is original:
+            result[keyword] = dict(original) if isinstance(original, Mapping) else list(original)
+        result[keyword][key] = enforce_unique_items(child)
+    return result
 
 
 def _sequences(node: Mapping) -> dict | None:

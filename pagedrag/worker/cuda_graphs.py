@@ -1,12 +1,14 @@
 """CUDA graphs of small engine steps, captured once per padded shape and replayed with
 the step's inputs copied into static buffers.
 
-Two kinds of steps are captured: decode steps (B sequences, one token each) for B up
-to max_batch, and prefills of up to MAX_PREFILL_TOKENS new tokens in one sequence (what
+Three kinds of steps are captured: decode steps (B sequences, one token each) for B up
+to max_batch; prefills of up to MAX_PREFILL_TOKENS new tokens in one sequence (what
 a prefix hit leaves to compute) or in up to MAX_PREFILL_SEQS (the runs of a chunk-reuse
-prompt: each recomputed stretch and the question attend as sequences of their own).
-Larger steps run eagerly: their kernels are long enough that launch overhead does not
-matter.
+prompt: each recomputed stretch and the question attend as sequences of their own); and,
+with speculative decoding, verification steps: B drafting sequences of 1 + k tokens each
+(B up to the drafting gate), whose tokens attend causally through the prefill kernel, each
+K/V block read once for all of a sequence's tokens. Larger steps run eagerly: their kernels
+are long enough that launch overhead does not matter.
 
 Invariants:
 - A replayed graph reads only the static buffers. Padding rows get slot -1 (nothing is
@@ -51,14 +53,26 @@ class GraphShape:
         return self.num_seqs == self.num_tokens
 
 
+def verification_shapes(max_drafting: int, max_draft: int) -> list[GraphShape]:
+    """Steps of B drafting sequences, B in decode_sizes(max_drafting), each checking 1 + j
+    tokens for j = 1, 2, 4, ... up to max_draft (drafts shorten after rejections, so a
+    step seldom has every row at max_draft: it pads to the next size, at most ~2x); none
+    without drafting (max_drafting 0)."""
+    if max_drafting < 1:
+        return []
+    drafts = sorted({2 ** i for i in range(max_draft.bit_length()) if 2 ** i < max_draft} | {max_draft})
+    return [GraphShape(b, b * (1 + j)) for b in decode_sizes(max_drafting) for j in drafts]
+
+
 class StepGraphs:
     def __init__(self, model: torch.nn.Module, kv_layers: list, ops, max_batch: int,
-                 max_blocks_per_seq: int, device: torch.device):
+                 max_blocks_per_seq: int, device: torch.device, verification: list[GraphShape] = ()):
         self.model = model
         self.kv_layers = kv_layers
         self.ops = ops
-        self.shapes = ([GraphShape(b, b) for b in decode_sizes(max_batch)]
-                       + [GraphShape(s, t) for s in (1, MAX_PREFILL_SEQS) for t in PREFILL_SIZES])
+        self.shapes = sorted({GraphShape(b, b) for b in decode_sizes(max_batch)}
+                             | {GraphShape(s, t) for s in (1, MAX_PREFILL_SEQS) for t in PREFILL_SIZES}
+                             | set(verification), key=lambda s: (s.num_tokens, s.num_seqs))
         max_tokens = max(s.num_tokens for s in self.shapes)
         max_seqs = max(s.num_seqs for s in self.shapes)
         zeros = lambda *shape, dtype: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
@@ -94,7 +108,7 @@ class StepGraphs:
             gc.enable()
 
     def _capture_all(self) -> None:
-        for shape in sorted(self.shapes, key=lambda s: (s.num_tokens, s.num_seqs), reverse=True):
+        for shape in reversed(self.shapes):
             self._pad(shape, num_seqs=0, num_tokens=0)
             self._forward(shape)  # warm up: compile kernels, settle allocations
             torch.cuda.synchronize()
@@ -118,7 +132,7 @@ class StepGraphs:
 
     def shape_for(self, num_seqs: int, num_tokens: int, decode: bool) -> GraphShape | None:
         """The smallest captured shape that holds this step, or None (run it eagerly)."""
-        for shape in sorted(self.shapes, key=lambda s: (s.num_tokens, s.num_seqs)):
+        for shape in self.shapes:
             if shape.decode == decode and shape.num_seqs >= num_seqs and shape.num_tokens >= num_tokens:
                 return shape
         return None

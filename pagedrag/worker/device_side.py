@@ -18,6 +18,7 @@ from pagedrag.core.block_pool import blocks_for
 from pagedrag.distributed.group import SINGLE, TensorParallelGroup
 from pagedrag.models.loader import LoadedModel, load_model
 from pagedrag.worker.cpu_threads import configure_cpu_threads
+from pagedrag.worker.cuda_graphs import GraphShape, verification_shapes
 from pagedrag.worker.kv_cache import CacheShape, KVCacheTensors, available_cpu_memory
 from pagedrag.worker.model_runner import ModelRunner
 
@@ -59,19 +60,18 @@ def build_device_side(args: EngineArgs, group: TensorParallelGroup = SINGLE) -> 
     runner = ModelRunner(module, cache, args.block_size, device, eos_token_id, args.chunk_recompute_strategy,
                          group, threads)
     if device.type == "cuda" and not args.enforce_eager:
-        runner.capture_graphs(_graph_rows(args), loaded.max_model_len)
+        runner.capture_graphs(args.max_num_seqs, loaded.max_model_len, _verification_graphs(args))
     return DeviceSide(loaded, shape, num_blocks, num_cpu_blocks, runner)
 
 
-def _graph_rows(args: EngineArgs) -> int:
-    """The most decode rows a step's graph must cover: max_num_seqs, or with speculative
-    decoding every row that drafts checks 1 + k tokens, one decode row each (at most
-    disable_by_batch_size rows draft)."""
+def _verification_graphs(args: EngineArgs) -> list[GraphShape]:
+    """The verification steps worth a graph: up to the drafting gate's rows (drafting stops
+    above it), each checking 1 + up to num_speculative_tokens tokens; none without drafting."""
     speculative = args.speculative()
     if speculative is None:
-        return args.max_num_seqs
-    drafting = min(args.max_num_seqs, speculative.disable_by_batch_size)
-    return max(args.max_num_seqs, drafting * (1 + speculative.num_speculative_tokens))
+        return []
+    return verification_shapes(min(args.max_num_seqs, speculative.disable_by_batch_size),
+                               speculative.num_speculative_tokens)
 
 
 def _pool_blocks(args: EngineArgs, shape: CacheShape, device: torch.device, num_ranks: int) -> int:

@@ -41,7 +41,7 @@ from pagedrag.core.request import Request
 from pagedrag.structured.masks import fill_masks
 from pagedrag.worker.chunk_moves import apply_kv_moves
 from pagedrag.worker.recompute_selection import candidate_positions, first_tokens, most_deviating, probe_deviation
-from pagedrag.worker.cuda_graphs import StepGraphs
+from pagedrag.worker.cuda_graphs import GraphShape, StepGraphs
 from pagedrag.worker.kv_cache import KVCacheTensors
 from pagedrag.worker.prompt_logprobs import PromptRows, prompt_rows, prompt_samples
 from pagedrag.worker.rejection_sampler import Verified, VerifyRow, verify
@@ -223,12 +223,12 @@ class ModelRunner:
         if device.type == "cpu":
             _store_weights_column_major(model)
 
-    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """Capture CUDA graphs of decode steps (up to max_batch sequences) and of small
-        single-sequence prefills (CUDA only)."""
+    def capture_graphs(self, max_batch: int, max_model_len: int, verification: list[GraphShape] = ()) -> None:
+        """Capture CUDA graphs of decode steps (up to max_batch sequences), of small prefills
+        and of the ``verification`` step shapes (CUDA only; see worker.cuda_graphs)."""
         max_blocks = blocks_for(max_model_len, self.block_size)
         self.graphs = StepGraphs(self.model, self.cache.device_layers, self.ops, max_batch,
-                                 max_blocks, self.device)
+                                 max_blocks, self.device, verification)
         self.graphs.capture()
 
     def layout(self, step: SchedulerOutput, inflight: InflightTokens | None = None
@@ -242,7 +242,7 @@ class ModelRunner:
         out = StepLayout([], [], [], [], [0], [], [], [], [], [])
         wanted_prompt_rows = []
         for item in step.scheduled:
-            for begin, end in self._attention_runs(item):  # each run attends as a sequence of its own
+            for begin, end in item.runs:  # each run attends as a sequence of its own
                 known = _known_tokens(item, begin, end)
                 if len(known) < end - begin:  # its in-flight token: filled in on the device
                     out.inflight_rows.append(len(out.input_ids))
@@ -260,14 +260,6 @@ class ModelRunner:
             if item.completes_sequence:
                 out.logits_rows.extend(range(out.starts[-1] - 1 - len(item.draft), out.starts[-1]))
         return out, wanted_prompt_rows
-
-    def _attention_runs(self, item: ScheduledRequest) -> list[tuple[int, int]]:
-        """The item's runs; with a draft, where the kernels ask for it (VERIFY_AS_DECODE_ROWS),
-        each verified token is a run of its own over the context up to it: the same causal
-        attention, done by the decode kernel (and its CUDA graphs)."""
-        if not item.draft or not self.ops.VERIFY_AS_DECODE_ROWS:
-            return item.runs
-        return [(token, token + 1) for begin, end in item.runs for token in range(begin, end)]
 
     def to_device(self, layout: StepLayout, inflight: InflightTokens | None = None) -> StepInputs:
         """The layout's tensors on the device (its integer lists in two copies). In-flight

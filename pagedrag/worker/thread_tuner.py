@@ -21,8 +21,9 @@ Invariants:
   ``MAX_PROBE_INTERVAL`` steps): probes that keep losing cost about 1% of the steps once the
   engine has run a few hundred. A step at the current count ``SLOWDOWN`` times slower than its
   recent ones (another process took a core) brings the next probe close again.
-- Only the step's forward pass is timed; CPU compute is synchronous, so that time is the
-  step's work, including any wait for a core held by another process. The rest of the engine
+- Only the step's model work is timed (forward pass, chunk exports, logits); CPU compute is
+  synchronous, so that time is the step's work, including any wait for a core held by
+  another process. The rest of the engine
   step (sampling) runs at the count its forward pass took; ``caller_threads_kept`` gives the
   calling thread its own count back once the engine step is over.
 """
@@ -87,7 +88,7 @@ class ThreadTuner:
 
     @contextmanager
     def step(self, num_tokens: int):
-        """Run the body (one step's forward pass) at this bucket's thread count or a probe's,
+        """Run the body (one step's model work) at this bucket's thread count or a probe's,
         and time it."""
         bucket = self._buckets.get(_bucket_of(num_tokens))
         if bucket is None:
@@ -128,7 +129,7 @@ class ThreadTuner:
         raise AssertionError("a tuner with several candidates always has a neighbour")
 
     def _record(self, bucket: _Bucket, index: int, seconds_per_token: float) -> None:
-        if bucket.probing is None or index != bucket.probing:
+        if bucket.probing is None:
             if len(bucket.recent) == RECENT_STEPS and seconds_per_token > SLOWDOWN * statistics.median(bucket.recent):
                 bucket.probe_interval = FIRST_PROBE_AFTER
                 bucket.steps_until_probe = min(bucket.steps_until_probe, FIRST_PROBE_AFTER)

@@ -141,13 +141,18 @@ def engine_concurrent_rate(llm: LLM, prompts, warmup, new_tokens: int) -> float:
 
 
 class LlamaCpp:
-    """llama-cpp-python on the embedded model's GGUF file, greedy, EOS masked out."""
+    """llama-cpp-python on the embedded model's GGUF file, greedy, EOS masked out; with
+    ``prompt_lookup`` tokens, llama.cpp's own prompt-lookup drafting (n-grams of up to 5 tokens,
+    as pagedrag's ngram method is run in bench_spec_cpu.py)."""
 
-    def __init__(self, threads: int, eos_token_id: int):
+    def __init__(self, threads: int, eos_token_id: int, prompt_lookup: int = 0):
         from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+        draft = LlamaPromptLookupDecoding(max_ngram_size=5, num_pred_tokens=prompt_lookup) if prompt_lookup else None
         self.model = Llama(model_path=str(embedded_gguf(cache_dir())), n_ctx=MAX_MODEL_LEN, n_threads=threads,
-                           n_threads_batch=threads, verbose=False)
+                           n_threads_batch=threads, draft_model=draft, logits_all=draft is not None,
+                           verbose=False)
         self.eos_token_id = eos_token_id
 
     def prefill_seconds(self, prompt: list[int]) -> float:
@@ -156,11 +161,23 @@ class LlamaCpp:
         self.model.eval(prompt)
         return time.perf_counter() - start
 
+    def answer(self, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+        """(decode tokens/s after the first token, the greedy answer's token ids)."""
+        def no_eos(_, logits):
+            logits[self.eos_token_id] = -float("inf")
+            return logits
+
+        self.model.reset()
+        tokens, stamps = [], []
+        for token in self.model.generate(prompt, temp=0.0, reset=True, logits_processor=[no_eos]):
+            stamps.append(time.perf_counter())
+            tokens.append(token)
+            if len(tokens) == new_tokens:
+                break
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0]), tokens
+
     def decode_rate(self, prompt: list[int], new_tokens: int) -> float:
-        stamps = [time.perf_counter() for _ in self.model.create_completion(
-            prompt, max_tokens=new_tokens, temperature=0.0, stream=True,
-            logit_bias={self.eos_token_id: -1e9})]
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        return self.answer(prompt, new_tokens)[0]
 
 
 def llama_cpp_or_none(threads: int, eos_token_id: int) -> LlamaCpp | None:

@@ -15,6 +15,11 @@ tables for benchmarks/RESULTS.md, with each engine's agreement with the one with
 speculation: the share of answer tokens before the first that differs (1.00 in float32; the
 low-bit kernels round a 9-row product differently from a 1-row one, so near-ties can flip).
 
+With ``--quantization gguf`` llama.cpp (llama-cpp-python) decodes the same GGUF file beside
+them, interleaved the same way: alone, and with its own prompt-lookup drafting (n-grams of up
+to 5 tokens, 8 drafted), the comparison issue 27 asks for. Its agreement column compares with
+pagedrag's answer without speculation (other kernels: near-ties may go the other way).
+
 ``--concurrency``: where drafting stops paying (``disable_by_batch_size``). For each
 concurrency N, N RAG prompts go into one ``generate`` on each engine (drafting forced on at
 every batch size), twice with new prompts each time, engines interleaved; the figure is the
@@ -24,10 +29,12 @@ better pass's output tokens over wall time.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import time
 
+from bench_cpu import LlamaCpp
 from pagedrag import LLM, SamplingParams
 from pagedrag.entrypoints.bench import rag_requests
 
@@ -55,19 +62,27 @@ def workloads(tokenizer, num_prompts: int) -> dict[str, list[str]]:
     return {"rag": rag, "open": open_ended}
 
 
-def run(engines: dict[str, LLM], prompts: list[str], params: SamplingParams) -> tuple[dict, dict, dict]:
-    """Decode rates by engine (prompts after the first), their mean acceptance lengths, and
-    their agreement with the engine without speculation."""
-    rates, answers = {name: [] for name in engines}, {name: [] for name in engines}
+def run(engines: dict[str, LLM], llama_cpps: dict[str, LlamaCpp], prompts: list[str],
+        params: SamplingParams) -> tuple[dict, dict, dict]:
+    """Decode rates by engine (prompts after the first), their mean acceptance lengths (None for
+    llama.cpp), and their agreement with the engine without speculation."""
+    names = [*engines, *llama_cpps]
+    rates, answers = {name: [] for name in names}, {name: [] for name in names}
     before = {name: llm.stats() for name, llm in engines.items()}
+    tokenizer = engines["off"].get_tokenizer()
     for index, prompt in enumerate(prompts):
         for name, llm in engines.items():
             output = llm.generate(prompt, params, use_tqdm=False)[0]
-            answers[name].append(output.outputs[0].token_ids)
-            if index:
-                rates[name].append(decode_rate(output))
+            rate, answers[name] = decode_rate(output), answers[name] + [output.outputs[0].token_ids]
+            rates[name] += [rate] if index else []
+        prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+        for name, llama in llama_cpps.items():
+            rate, answer = llama.answer(prompt_ids, params.max_tokens)
+            rates[name] += [rate] if index else []
+            answers[name].append(answer)
     acceptance = {name: _acceptance_length(before[name], llm.stats()) for name, llm in engines.items()}
-    return rates, acceptance, {name: _agreement(answers[name], answers["off"]) for name in engines}
+    acceptance.update(dict.fromkeys(llama_cpps))
+    return rates, acceptance, {name: _agreement(answers[name], answers["off"]) for name in names}
 
 
 def _agreement(answers: list[list[int]], references: list[list[int]]) -> float:
@@ -128,15 +143,19 @@ def main() -> None:
     engines = {name: LLM(speculative_config=config, quantization=args.quantization, max_model_len=2048,
                          kv_cache_memory_bytes=256 << 20) for name, config in CONFIGS.items()}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    eos = engines["off"].get_tokenizer().eos_token_id
+    threads = os.cpu_count() or 1
+    llama_cpps = {} if args.quantization != "gguf" else {
+        "llama.cpp": LlamaCpp(threads, eos), "llama.cpp prompt lookup": LlamaCpp(threads, eos, prompt_lookup=8)}
     print(f"{platform.machine()}, quantization={args.quantization}, {args.prompts} prompts a workload, "
           f"{args.max_tokens} tokens\n")
     print("| workload | drafting | decode tok/s (median) | per prompt | vs off | mean acceptance length | "
           "agreement with off |")
     print("|---|---|---|---|---|---|---|")
     for workload, prompts in workloads(engines["off"].get_tokenizer(), args.prompts).items():
-        rates, acceptance, agreement = run(engines, prompts, params)
+        rates, acceptance, agreement = run(engines, llama_cpps, prompts, params)
         baseline = statistics.median(rates["off"])
-        for name in engines:
+        for name in rates:
             median = statistics.median(rates[name])
             length = "-" if acceptance[name] is None else f"{acceptance[name]:.2f}"
             print(f"| {workload} | {name} | {median:.1f} | {', '.join(f'{r:.1f}' for r in rates[name])} | "

@@ -1,7 +1,7 @@
 """KV tiers on CPU: a second process on the disk tier the first one filled, and a pool cut to a
 quarter of the stream's working set with the disk tier under it.
 
-    python benchmarks/bench_tiers_cpu.py [--questions 176]
+    python benchmarks/bench_tiers_cpu.py [--questions 176] [--arms restart chunks quarter]
 
 The embedded SmolLM2-135M-Instruct (float32) takes the 176-question pydoc-topics stream
 (MiniLM top-5 chunks, the canonicalizer's stable order, the chat template) one prompt at a
@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+ARMS = ("restart", "chunks", "quarter")
 ENGINE = {"max_model_len": 2048, "kv_cache_memory_bytes": 3 << 30}
 
 
@@ -85,6 +86,7 @@ def _row(name: str, figures: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--questions", type=int, default=176)
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="which arms to run (default: all)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -93,7 +95,9 @@ def main() -> None:
     stream_file = work / "stream.json"
     save_stream(stream_file, args.questions)
     rows = []
-    for name, extra in (("prefix caching", {}), ("chunk reuse", {"enable_chunk_reuse": True})):
+    restarts = [("prefix caching", {})] * ("restart" in args.arms or "quarter" in args.arms) \
+        + [("chunk reuse", {"enable_chunk_reuse": True})] * ("chunks" in args.arms)
+    for name, extra in restarts:
         disk = {"kv_disk_path": str(work / name.replace(" ", "-")), "kv_disk_size": 8}
         first = run_process(str(stream_file), {**disk, **extra})
         second = run_process(str(stream_file), {**disk, **extra})
@@ -102,19 +106,26 @@ def main() -> None:
               flush=True)
         if not extra:
             unbounded = first
-    quarter = {"num_gpu_blocks_override": max(unbounded["cached_blocks"] // 4, 128), "kv_cache_memory_bytes": None}
-    small = run_process(str(stream_file), quarter)
-    small_disk = run_process(str(stream_file), {**quarter, "kv_disk_path": str(work / "quarter"), "kv_disk_size": 8})
-    rows += [(f"pool of {quarter['num_gpu_blocks_override']} blocks, no tier", small),
-             (f"pool of {quarter['num_gpu_blocks_override']} blocks + disk tier", small_disk)]
-    print(f"\n{args.questions} questions; unbounded pool: {unbounded['cached_blocks']} blocks cached, "
-          f"{unbounded['evicted_blocks']} evicted\n")
+    if "quarter" in args.arms:
+        rows += quarter_pool(stream_file, work, unbounded)
+    print(f"\n{args.questions} questions\n")
     print("| process | prompt tokens computed | hit rate | from the disk tier | median TTFT | p90 TTFT |")
     print("|---|---|---|---|---|---|")
     for name, figures in rows:
         print(_row(name, figures))
-    print(f"\nsmall pool + disk tier: hit rate {small_disk['hit_rate'] / unbounded['hit_rate']:.0%} of the "
+
+
+def quarter_pool(stream_file: Path, work: Path, unbounded: dict) -> list[tuple[str, dict]]:
+    """Arm 3: a pool of a quarter of the blocks ``unbounded`` (arm 1's process A) cached, without
+    a tier and with an empty disk tier; its table rows."""
+    quarter = {"num_gpu_blocks_override": max(unbounded["cached_blocks"] // 4, 128), "kv_cache_memory_bytes": None}
+    small = run_process(str(stream_file), quarter)
+    small_disk = run_process(str(stream_file), {**quarter, "kv_disk_path": str(work / "quarter"), "kv_disk_size": 8})
+    print(f"unbounded pool: {unbounded['cached_blocks']} blocks cached, {unbounded['evicted_blocks']} evicted; "
+          f"small pool + disk tier: hit rate {small_disk['hit_rate'] / unbounded['hit_rate']:.0%} of the "
           f"unbounded pool's (no tier: {small['hit_rate'] / unbounded['hit_rate']:.0%})")
+    return [(f"pool of {quarter['num_gpu_blocks_override']} blocks, no tier", small),
+            (f"pool of {quarter['num_gpu_blocks_override']} blocks + disk tier", small_disk)]
 
 
 if __name__ == "__main__":

@@ -5,8 +5,13 @@ holds across processes; the host store's LRU; the keyspace's weight fingerprint.
 
 from __future__ import annotations
 
+import fcntl
+import gc
+import hashlib
+import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -16,7 +21,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from pagedrag.kv_tiers import disk_format
-from pagedrag.kv_tiers.disk_store import DiskStore
+from pagedrag.kv_tiers.disk_store import _COUNT_FILE, DiskStore
 from pagedrag.kv_tiers.host_store import HostStore
 from pagedrag.kv_tiers.keyspace import KeySpace, block_key, weights_fingerprint
 from pagedrag.kv_tiers.store import StoredBlock
@@ -81,13 +86,14 @@ def test_the_size_budget_evicts_least_recently_used_first(tmp_path):
 
 _WRITER = """
 import sys, torch
-from pagedrag.kv_tiers.disk_store import DiskStore
+from pagedrag.kv_tiers.disk_store import _COUNT_FILE, DiskStore
 from pagedrag.kv_tiers.keyspace import block_key
 from pagedrag.kv_tiers.store import StoredBlock
 store = DiskStore(sys.argv[1], int(sys.argv[2]), sys.argv[3])
 start, count = int(sys.argv[4]), int(sys.argv[5])
 big = (8, 2, 16, 4, 64)
 print("ready", flush=True)
+sys.stdin.readline()  # go
 for seed in range(start, start + count):
     g = torch.Generator().manual_seed(seed)
     store.put(block_key(sys.argv[3], seed.to_bytes(32, "little")),
@@ -97,7 +103,16 @@ for seed in range(start, start + count):
 
 def _writer(tmp_path, start: int, count: int, budget: int = 1 << 30) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(budget), KEYSPACE,
-                             str(start), str(count)], stdout=subprocess.PIPE, text=True)
+                             str(start), str(count)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _go(*writers: subprocess.Popen) -> None:
+    """Start writers together once every one has opened its store (imports take seconds)."""
+    assert all(w.stdout.readline().strip() == "ready" for w in writers)
+    for w in writers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
 
 
 def _check_every_file(tmp_path) -> int:
@@ -115,7 +130,7 @@ def _check_every_file(tmp_path) -> int:
 
 def test_a_writer_killed_mid_write_leaves_nothing_partial_visible(tmp_path):
     writer = _writer(tmp_path, 0, 100_000)
-    assert writer.stdout.readline().strip() == "ready"
+    _go(writer)
     deadline = time.monotonic() + 60
     while _count_files(tmp_path) < 20 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -131,6 +146,7 @@ def _count_files(tmp_path) -> int:
 def test_processes_sharing_a_directory_lose_nothing_and_serve_nothing_wrong(tmp_path):
     """Three writers of overlapping keys and a reader in this process, all at once."""
     writers = [_writer(tmp_path, start, 60) for start in (0, 30, 60)]
+    _go(*writers)
     reader = DiskStore(tmp_path, 1 << 30, KEYSPACE)
     served = 0
     while any(w.poll() is None for w in writers):
@@ -144,12 +160,67 @@ def test_processes_sharing_a_directory_lose_nothing_and_serve_nothing_wrong(tmp_
     assert _check_every_file(tmp_path) == 120  # every key once, none lost
 
 
+def _block_bytes_and_count(tmp_path) -> tuple[int, int]:
+    """Under the directory's lock (no put midway): its block files' bytes, and its shared count."""
+    directory = tmp_path / KEYSPACE[:16]
+    with open(directory / _COUNT_FILE, "rb") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        return sum(path.stat().st_size for path in directory.rglob("*.kv")), int(file.read())
+
+
 def test_the_budget_holds_across_processes(tmp_path):
+    """Four writers under one budget, two pairs racing on the same keys: whenever no put is
+    midway, and after each writer exits, the block files fit the budget and the shared count is
+    exactly their bytes (a raced block counted once); a restart finds the same."""
     one = len(disk_format.encode(_key(0), KEYSPACE, StoredBlock(tuple(range(16)), torch.zeros(8, 2, 16, 4, 64))))
     budget = 25 * one
-    writers = [_writer(tmp_path, start, 40, budget) for start in (0, 1000)]
-    assert all(w.wait(timeout=600) == 0 for w in writers)
-    assert DiskStore(tmp_path, budget, KEYSPACE).used_bytes <= budget
+    writers = [_writer(tmp_path, start, 40, budget) for start in (0, 0, 1000, 1000)]
+    _go(*writers)
+    while writers:
+        time.sleep(0.02)
+        exited = [w for w in writers if w.poll() is not None]
+        used, count = _block_bytes_and_count(tmp_path)
+        assert used == count <= budget
+        assert all(w.returncode == 0 for w in exited)
+        writers = [w for w in writers if w not in exited]
+    assert used > 0.9 * budget - one  # evictions stopped at the low-water mark
+    assert DiskStore(tmp_path, budget, KEYSPACE).used_bytes == used
+
+
+def test_two_writers_of_one_key_count_it_once(tmp_path, monkeypatch):
+    """The second writer finds no file when it looks, but the first publishes while it encodes."""
+    first, second = DiskStore(tmp_path, 1 << 20, KEYSPACE), DiskStore(tmp_path, 1 << 20, KEYSPACE)
+    encode = disk_format.encode
+
+    def encode_while_the_first_publishes(key, keyspace, block):
+        monkeypatch.setattr(disk_format, "encode", encode)
+        first.put(key, block)
+        return encode(key, keyspace, block)
+
+    monkeypatch.setattr(disk_format, "encode", encode_while_the_first_publishes)
+    second.put(_key(9), _block(9))
+    size = first.path_of(_key(9)).stat().st_size
+    assert first.used_bytes == second.used_bytes == _block_bytes_and_count(tmp_path)[1] == size
+    names = {path.name for path in first.directory.rglob("*")}
+    assert names == {_COUNT_FILE, _key(9).hex()[:2], f"{_key(9).hex()}.kv"}  # no temporary left
+
+
+def test_a_restart_recounts_a_count_gone_wrong(tmp_path):
+    """A count off by a killed writer's block, or damaged, is put right when a store opens."""
+    store = DiskStore(tmp_path, 1 << 20, KEYSPACE)
+    store.put(_key(5), _block(5))
+    for wrong in (b"00000000000000000001\n", b"garbage"):
+        (store.directory / _COUNT_FILE).write_bytes(wrong)
+        assert DiskStore(tmp_path, 1 << 20, KEYSPACE).used_bytes == store.used_bytes > 0
+    assert _block_bytes_and_count(tmp_path)[1] == store.used_bytes
+
+
+def test_a_count_file_that_cannot_be_opened_turns_the_tier_off_once(tmp_path, caplog):
+    (tmp_path / KEYSPACE[:16] / _COUNT_FILE).mkdir(parents=True)  # opening it fails (EISDIR)
+    store = DiskStore(tmp_path, 1 << 20, KEYSPACE)
+    store.put(_key(5), _block(5))
+    assert not store.enabled and store.get(_key(5)) is None and not store.contains(_key(5))
+    assert sum("turned off" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_host_store_keeps_its_capacity_least_recently_used_first():
@@ -191,16 +262,21 @@ def test_keyspace_changes_with_every_field():
 
 
 def test_the_cost_model_turns_a_slow_tier_away_and_shrugs_off_a_compile_step():
-    from pagedrag.kv_tiers.cost_model import TierCostModel
+    from pagedrag.kv_tiers.cost_model import _MIN_LOADS, TierCostModel
 
     cost = TierCostModel(block_size=16)
-    assert cost.worth_loading("disk")  # nothing measured yet
+    assert cost.slower_tiers() == frozenset()  # nothing measured yet
     cost.observe_prefill(1000, 30.0)  # a first step that compiled kernels: 30 ms a token
     for _ in range(4):
         cost.observe_prefill(1000, 0.1)  # then 0.1 ms a token: a block computes in 1.6 ms
+    for _ in range(_MIN_LOADS - 1):
+        cost.observe_load("disk", 0.005)
+        cost.observe_load("host", 0.0002)
+    assert cost.slower_tiers() == frozenset()  # too few loads to call a tier slow: trusted still
     cost.observe_load("disk", 0.005)
     cost.observe_load("host", 0.0002)
-    assert not cost.worth_loading("disk") and cost.worth_loading("host")
+    assert cost.slower_tiers() == {"disk"}
+    assert cost.snapshot()["disk_load_seconds_per_block"] == 0.005
 
 
 def test_reads_queued_behind_a_slow_first_read_of_a_tier_become_misses(tmp_path):
@@ -224,3 +300,117 @@ def test_reads_queued_behind_a_slow_first_read_of_a_tier_become_misses(tmp_path)
     tiers.close()
     assert found[0] and not found[-1]  # the first reads are served (and measured), the last is a miss
     assert len(gets) <= 5  # four measured reads (one more on the other reader thread) at most
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_read_block_starts_aligned_whatever_its_header_length(tmp_path, dtype):
+    """The payload follows a padded header: the tensor a read gives (and one decoded from bytes)
+    starts on a 64-byte boundary, for headers of many lengths."""
+    store = DiskStore(tmp_path, 1 << 30, KEYSPACE)
+    for num_tokens in range(1, 40, 3):
+        block = StoredBlock(tuple(range(1000, 1000 + num_tokens)), torch.randn(SHAPE).to(dtype))
+        store.put(_key(num_tokens), block)
+        read = store.get(_key(num_tokens))
+        decoded = disk_format.decode(store.path_of(_key(num_tokens)).read_bytes(), _key(num_tokens), KEYSPACE)
+        for kv in (read.kv, decoded.kv):
+            assert kv.data_ptr() % disk_format.ALIGNMENT == 0 and torch.equal(kv, block.kv)
+
+
+def _layout_1(key: bytes, block: StoredBlock) -> bytes:
+    """A file as the first layout wrote it: no padding, the payload right after the header."""
+    header = json.dumps({"key": key.hex(), "keyspace": KEYSPACE, "token_ids": list(block.token_ids),
+                         "dtype": str(block.kv.dtype), "shape": list(block.kv.shape)}).encode()
+    body = b"PDRAGKV1" + struct.pack("<I", len(header)) + header + block.kv.numpy().tobytes()
+    return body + hashlib.sha256(body).digest()
+
+
+def test_a_file_of_the_old_layout_is_a_miss_dropped_like_a_foreign_one(tmp_path):
+    store = DiskStore(tmp_path, 1 << 30, KEYSPACE)
+    path = store.path_of(_key(7))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(_layout_1(_key(7), _block(7)))
+    assert store.contains(_key(7)) and store.get(_key(7)) is None
+    assert store.num_dropped == 1 and not path.exists()
+
+
+class _ShortReads:
+    """A file whose reads return at most ``chunk`` bytes each, as some filesystems' do."""
+
+    def __init__(self, file, chunk: int, end: int | None = None):
+        self.file, self.chunk, self.end, self.position = file, chunk, end, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def readinto(self, buffer) -> int:
+        size = self.chunk if self.end is None else min(self.chunk, self.end - self.position)
+        count = self.file.readinto(memoryview(buffer)[:size])
+        self.position += count
+        return count
+
+
+def test_short_reads_are_read_on_and_only_an_early_end_of_file_is_a_miss(tmp_path, monkeypatch):
+    from pagedrag.kv_tiers import disk_store
+
+    store = DiskStore(tmp_path, 1 << 30, KEYSPACE)
+    store.put(_key(8), _block(8))
+
+    def short_reads(end=None):
+        monkeypatch.setattr(disk_store, "open", lambda *a, **k: _ShortReads(open(*a, **k), 100, end), raising=False)
+
+    short_reads()
+    assert torch.equal(store.get(_key(8)).kv, _block(8).kv)
+    short_reads(end=500)
+    assert store.get(_key(8)) is None  # truncated while read: a miss, and the file is left alone
+    assert store.num_dropped == 0 and store.contains(_key(8))
+
+
+def test_the_switch_interval_is_lowered_while_any_disk_tier_lives(tmp_path):
+    from pagedrag.kv_tiers.cost_model import TierCostModel
+    from pagedrag.kv_tiers.tiers import GIL_SWITCH_INTERVAL_S, KVTiers
+
+    gc.collect()  # engines other tests dropped give it back
+    original = sys.getswitchinterval()
+    assert original > GIL_SWITCH_INTERVAL_S  # the process's default (5 ms)
+
+    def tiers(*stores):
+        return KVTiers(stores, KEYSPACE, TierCostModel(block_size=4))
+
+    host_only = tiers(HostStore(1 << 20))
+    assert sys.getswitchinterval() == original  # host reads run on the step loop
+    for order in ((0, 1), (1, 0)):
+        engines = [tiers(HostStore(1 << 20), DiskStore(tmp_path / str(n), 1 << 20, KEYSPACE)) for n in range(2)]
+        assert sys.getswitchinterval() == GIL_SWITCH_INTERVAL_S
+        first, last = (engines[n] for n in order)
+        first.close()
+        del first, engines
+        gc.collect()  # a closed engine collected gives back nothing more
+        assert sys.getswitchinterval() == GIL_SWITCH_INTERVAL_S  # the other one still runs
+        last.close()
+        assert sys.getswitchinterval() == original
+    dropped = tiers(DiskStore(tmp_path / "dropped", 1 << 20, KEYSPACE))
+    assert sys.getswitchinterval() == GIL_SWITCH_INTERVAL_S
+    del dropped  # never closed
+    gc.collect()
+    assert sys.getswitchinterval() == original
+    host_only.close()
+    assert sys.getswitchinterval() == original
+
+
+def test_tiers_go_nearest_first_and_tier_hits_adds_up_tier_by_tier(tmp_path):
+    from pagedrag.kv_tiers.cost_model import TierCostModel
+    from pagedrag.kv_tiers.store import TIER_NAMES, tier_hits
+    from pagedrag.kv_tiers.tiers import KVTiers
+
+    tiers = KVTiers([DiskStore(tmp_path, 1 << 20, KEYSPACE), HostStore(1 << 20)], KEYSPACE, TierCostModel(4))
+    assert [store.name for store in tiers.stores] == list(TIER_NAMES) == ["host", "disk"]
+    tiers.close()
+    assert tier_hits({"disk": 16}, None, {"disk": 16, "host": 32}) == {"disk": 32, "host": 32}
+    assert list(tier_hits(dict.fromkeys(TIER_NAMES, 0), {"disk": 16})) == list(TIER_NAMES)
+    assert tier_hits() == {}

@@ -88,6 +88,31 @@ def test_chunk_reuse_through_the_disk_tier(tiny, tmp_path):
     assert from_disk.outputs[0].token_ids == from_pool.outputs[0].token_ids
 
 
+def test_a_restarted_engine_knows_what_each_chunk_was_computed_after(tiny, tmp_path):
+    """A chunk behind the segment it was computed after is imported whole (no token computed
+    again), after a restart as in the engine that computed it: the relation travels with the
+    chunk's first block through the disk tier."""
+    path, prompts, _ = tiny
+    tokens = prompts[0]
+    head, first, second, other = tokens[:32], tokens[32:80], tokens[80:120], tokens[120:160]
+    def prompt(*segments):
+        return {"prompt_segments": [{"token_ids": list(s)} for s in segments]}
+    engine = {**ENGINE, "enable_chunk_reuse": True, "chunk_recompute_window": 0}
+    reordered = prompt(head, other, first, second, [9, 10, 11])  # `second` still follows `first`
+    computing = LLM(str(path), kv_disk_path=tmp_path, **engine)
+    computing.generate(prompt(head, first, second, [5, 6, 7]), GREEDY, use_tqdm=False)
+    in_process = computing.generate(reordered, GREEDY, use_tqdm=False)[0]
+    computing.llm_engine.flush_tiers()
+    computing.llm_engine.shutdown()
+    restarted = LLM(str(path), kv_disk_path=tmp_path, **engine)
+    after_restart = restarted.generate(reordered, GREEDY, use_tqdm=False)[0]
+    recompute_first = restarted.llm_engine.kv.chunks.recompute_count(len(first))
+    assert in_process.num_chunk_hit_tokens == len(first) + len(second) - recompute_first
+    assert after_restart.num_chunk_hit_tokens == in_process.num_chunk_hit_tokens
+    assert after_restart.num_recomputed_tokens == in_process.num_recomputed_tokens == recompute_first
+    assert after_restart.outputs[0].token_ids == in_process.outputs[0].token_ids
+
+
 def test_changed_weights_under_the_same_name_miss(tiny, tmp_path_factory, tmp_path):
     path, prompts, _ = tiny
     _run(LLM(str(path), kv_disk_path=tmp_path, **ENGINE), prompts[:1])

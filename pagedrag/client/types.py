@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedrag.engine.inputs import check_conversation
-from pagedrag.kv_tiers.disk_store import DiskStore
-from pagedrag.kv_tiers.host_store import HostStore
+from pagedrag.kv_tiers.store import TIER_NAMES, tier_hits as _add_tier_hits
 from pagedrag.models.loader import EMBEDDED_NAME
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.client.bridge import iterate_sync, run_sync
@@ -30,7 +29,7 @@ DEFAULT_MODEL_NAME = EMBEDDED_NAME
 Messages = list[dict[str, Any]]
 Prompt = str | Messages
 """A completion prompt (text) or a chat conversation (messages)."""
-KV_TIERS = (HostStore.name, DiskStore.name)
+KV_TIERS = TIER_NAMES
 """The engine's KV tiers under its pool, nearest first: the keys of ``Generation.tier_cache_hits``."""
 
 
@@ -39,11 +38,7 @@ def tier_hits(*figures: Mapping[str, int] | None) -> dict[str, int]:
     the engine's ``RequestOutput.num_tier_hit_tokens`` or a server's
     ``prompt_tokens_details.tier_cache_hits`` (empty without tiers; None from a server that
     does not report them); several figures are added up tier by tier."""
-    total = dict.fromkeys(KV_TIERS, 0)
-    for hits in figures:
-        for tier, tokens in (hits or {}).items():
-            total[tier] = total.get(tier, 0) + tokens
-    return total
+    return _add_tier_hits(dict.fromkeys(KV_TIERS, 0), *figures)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ salt, head tokens, chunk tokens). Those blocks live in the prefix cache's pool a
   ``recompute_count(length)`` of its tokens are computed again with the full context, which
   restores attention across the chunk boundary. Below a fraction of 1, a chunk that follows
   the same segment it was computed after (``_computed_after``) is imported whole: its KV
-  already attends to that neighbour. Which ones the model runner decides
+  already attends to that neighbour. That relation travels with the chunk's first block
+  through the KV tiers, so a restarted engine knows it too. Which ones the model runner decides
   (``Recompute``; worker.recompute_selection): the tokens whose KV deviates most at an early
   layer (as CacheBlend does), or the chunk's first ones (as EPIC does). Below a fraction of
   1, the last ``question_window`` imported tokens before the question are recomputed too,
@@ -290,10 +291,17 @@ class ChunkCache:
             for number, (block, block_hash) in enumerate(zip(export.blocks, export.hashes)):
                 self.pool.cache(block, block_hash,
                                 export.token_ids[number * self.block_size:(number + 1) * self.block_size])
-            self._remember_predecessor(export.hashes[0], export.predecessor)
+            self.remember_computed_after(export.hashes[0], export.predecessor)
         self._let_go(held)
 
-    def _remember_predecessor(self, key: BlockHash, predecessor: BlockHash) -> None:
+    def computed_after(self, key: BlockHash) -> BlockHash | None:
+        """The key of the segment the chunk of key ``key`` (its first block hash) was computed
+        after, if known: it goes down the KV tiers with the chunk's first block."""
+        return self._computed_after.get(key)
+
+    def remember_computed_after(self, key: BlockHash, predecessor: BlockHash) -> None:
+        """Chunk ``key`` was computed after ``predecessor`` (here, or by the engine that wrote the
+        chunk to a KV tier): behind that segment it is imported whole."""
         self._computed_after[key] = predecessor
         self._computed_after.move_to_end(key)
         while len(self._computed_after) > self.pool.num_blocks:

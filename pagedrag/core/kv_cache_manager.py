@@ -116,6 +116,11 @@ class KVCacheManager:
             return True
         return self.chunks is not None and self.chunks.waits_for(request, num_hit_blocks * self.block_size, pending)
 
+    def computed_after(self, block_hash: BlockHash) -> bytes:
+        """For a cached block that begins a chunk (chunk reuse): the key of the segment it was
+        computed after; empty otherwise. It goes down the KV tiers with the block."""
+        return (self.chunks.computed_after(block_hash) if self.chunks is not None else None) or b""
+
     def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
         self.prefix_stats.queries += request.num_tokens
         self.prefix_stats.hits += num_hit_tokens

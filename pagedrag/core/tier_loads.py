@@ -4,7 +4,8 @@ blocks to bring up into the pool before it runs, and the request's wait while th
 A request's prefix lookup walks its chain of block hashes through the pool (prefix hits) and
 on into the tiers: the blocks found there, up to the first found nowhere, are loaded into
 fresh pool blocks; with chunk reuse, so are its chunks that are in a tier in full. Each block
-is loaded only where the cost model (kv_tiers.cost_model) says loading it beats computing it.
+is loaded only where the cost model (kv_tiers.cost_model) says loading it beats computing it:
+one decision (``slower_tiers``) taken once a lookup, for all of its blocks.
 
 Invariants:
 - A request whose loads are running keeps its place in the waiting queue and waits; the
@@ -34,6 +35,7 @@ from pagedrag.core.block_hash import BlockHash
 from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 from pagedrag.core.chunk_cache import ChunkCache
 from pagedrag.core.request import Request
+from pagedrag.kv_tiers.store import tier_hits
 from pagedrag.kv_tiers.tiers import KVTiers
 
 _PREFIX = -1  # the chain a load belongs to: the prompt's prefix, or a chunk's segment index
@@ -78,7 +80,8 @@ class TierLoads:
         waiting = self._waiting.get(request.request_id)
         if waiting is not None:
             return not waiting.done
-        wanted = self._wanted(request, len(hits))
+        slower = self.tiers.cost.slower_tiers()
+        wanted = self._wanted(request, len(hits), slower)
         if not wanted:
             return False
         if any(item.block_hash in self._loading for item in wanted):
@@ -88,7 +91,7 @@ class TierLoads:
             self.pool.free(list(reversed(hits)))
             return False
         blocks = self.pool.allocate(len(wanted))
-        loads = [_Load(item, block, self.tiers.read(item.block_hash, item.token_ids))
+        loads = [_Load(item, block, self.tiers.read(item.block_hash, item.token_ids, slower))
                  for item, block in zip(wanted, blocks)]
         waiting = _Waiting(list(hits), loads)
         self._waiting[request.request_id] = waiting
@@ -98,31 +101,32 @@ class TierLoads:
         self._loading.update(item.block_hash for item in wanted)
         return True
 
-    def _wanted(self, request: Request, num_hit_blocks: int) -> list[_Wanted]:
+    def _wanted(self, request: Request, num_hit_blocks: int, slower: frozenset[str]) -> list[_Wanted]:
+        """The blocks to load, from tiers not in ``slower`` (the cost model's decision)."""
         if request.params.prompt_logprobs is not None:
             return []  # prompt logprobs compute every prompt position
         if not request.tier_queried:
             request.tier_queried = True
             self.tiers.stats.query_tokens += request.num_tokens - num_hit_blocks * self.block_size
-        wanted = self._prefix_wanted(request, num_hit_blocks)
+        wanted = self._prefix_wanted(request, num_hit_blocks, slower)
         if self.chunks is not None and request.segments:
-            wanted += self._chunks_wanted(request, (num_hit_blocks + len(wanted)) * self.block_size)
+            wanted += self._chunks_wanted(request, (num_hit_blocks + len(wanted)) * self.block_size, slower)
         return wanted
 
-    def _prefix_wanted(self, request: Request, num_hit_blocks: int) -> list[_Wanted]:
+    def _prefix_wanted(self, request: Request, num_hit_blocks: int, slower: frozenset[str]) -> list[_Wanted]:
         """The prompt's blocks past its prefix hits that a tier holds, up to the first it does not
         (the last prompt token is always computed, so the block holding it is never loaded)."""
         wanted = []
         for index in range(num_hit_blocks, (request.num_tokens - 1) // self.block_size):
             block_hash = request.block_hashes[index]
             tier = self.tiers.locate(block_hash)
-            if tier is None or not self.tiers.cost.worth_loading(tier):
+            if tier is None or tier in slower:
                 break
             start = index * self.block_size
             wanted.append(_Wanted(_PREFIX, block_hash, tuple(request.token_ids[start:start + self.block_size])))
         return wanted
 
-    def _chunks_wanted(self, request: Request, first_position: int) -> list[_Wanted]:
+    def _chunks_wanted(self, request: Request, first_position: int, slower: frozenset[str]) -> list[_Wanted]:
         """The blocks of the request's reusable chunks past ``first_position`` that are not in the
         pool but all of whose blocks a tier holds."""
         wanted = []
@@ -132,7 +136,7 @@ class TierLoads:
                 continue
             blocks = list(self.chunks.blocks_of(request, index))
             tiers = [self.tiers.locate(block_hash) for block_hash, _ in blocks]
-            if all(tier is not None and self.tiers.cost.worth_loading(tier) for tier in tiers):
+            if all(tier is not None and tier not in slower for tier in tiers):
                 wanted += [_Wanted(index, block_hash, token_ids) for block_hash, token_ids in blocks]
         return wanted
 
@@ -164,6 +168,8 @@ class TierLoads:
             else:
                 usable = load.wanted.chain not in broken_chunks
             if usable and self._register(load):
+                if load.wanted.chain != _PREFIX and stored.computed_after:
+                    self.chunks.remember_computed_after(load.wanted.block_hash, stored.computed_after)
                 load.tier = tier
                 kept.append(load)
                 self._ready.append((load.block.block_id, stored.kv))
@@ -194,10 +200,8 @@ class TierLoads:
 
     def tier_hits_of(self, request: Request) -> dict[str, int]:
         """Tokens of the request's landed loads, by the tier they came from."""
-        hits: dict[str, int] = {}
-        for load in getattr(self._waiting.get(request.request_id), "loads", []):
-            hits[load.tier] = hits.get(load.tier, 0) + len(load.wanted.token_ids)
-        return hits
+        loads = getattr(self._waiting.get(request.request_id), "loads", [])
+        return tier_hits(*({load.tier: len(load.wanted.token_ids)} for load in loads))
 
     # ---- release ------------------------------------------------------------------------------
     def release(self, request: Request) -> None:

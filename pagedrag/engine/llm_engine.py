@@ -248,7 +248,8 @@ class LLMEngine:
         blocks = self.kv.pool.take_newly_cached()
         if blocks:
             kv, ready = self.runner.cache.gather_blocks([block_id for block_id, _, _ in blocks])
-            self.tiers.write([(block_hash, token_ids) for _, block_hash, token_ids in blocks], kv, ready)
+            self.tiers.write([(block_hash, token_ids, self.kv.computed_after(block_hash))
+                              for _, block_hash, token_ids in blocks], kv, ready)
         if not step.scheduled and self.kv.tier_loads.num_loading:
             self.kv.tier_loads.wait_for_any(timeout=0.05)
 

@@ -30,5 +30,5 @@ def build_tiers(args: EngineArgs, model: torch.nn.Module, shape, device: torch.d
         stores.append(DiskStore(args.kv_disk_path, args.kv_disk_size * GIB_BYTES, keyspace))
     for store in stores:
         logger.info("kv %s tier: %.2f GiB%s (keyspace %s)", store.name, store.capacity_bytes / GIB_BYTES,
-                    f" at {args.kv_disk_path}" if store.name == "disk" else "", keyspace[:16])
+                    f" at {args.kv_disk_path}" if isinstance(store, DiskStore) else "", keyspace[:16])
     return KVTiers(stores, keyspace, TierCostModel(shape.block_size))

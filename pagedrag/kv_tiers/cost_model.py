@@ -3,13 +3,16 @@
 Computing a block costs ``block_size`` x the prefill time of a token (measured on the engine's
 own prefill steps); loading one costs the tier's measured seconds per block (its reads, timed
 by the reader threads, forgotten after a minute so that a tier found slow is tried again).
-Each figure is the median of its last measurements, so it follows the
-machine's load and shrugs off outliers (a first step that compiles kernels or captures graphs). Until a tier has been measured it is assumed worth loading from: a first read
-costs one block's time and measures it; until prefill has been measured, likewise.
+Each figure is the median of its last measurements, so it follows the machine's load and
+shrugs off outliers (a first step that compiles kernels or captures graphs).
 
-Invariant: ``worth_loading`` compares only measured (or not yet measured, hence optimistic)
-figures; nothing here is a constant tuned for one machine. On the H200 the local disk reads
-slower than the 8B model computes, and this is what turns the disk tier away there.
+Invariant: ``slower_tiers`` is the one rule, applied alike by a lookup (which blocks to load)
+and by a queued read (whether to still read): a tier is turned away only once at least
+``_MIN_LOADS`` fresh loads measure it slower than computing. Until then (and until prefill has
+been measured) the model has no estimate of its own, no configured bandwidth, and trusts the
+tier: its first reads cost a few blocks' time and measure it. Nothing here is a constant tuned
+for one machine; on the H200 the local disk reads slower than the 8B model computes, and this
+is what turns the disk tier away there.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections import deque
 _WINDOW = 32  # measurements each median is taken over
 _MIN_PREFILL_TOKENS = 16  # steps with fewer computed tokens time mostly fixed costs
 _FRESH_S = 60.0  # a load measured longer ago is forgotten: a tier found slow is tried again
-_MIN_LOADS = 4  # fresh loads it takes to call a tier slower than computing while reads are queued
+_MIN_LOADS = 4  # fresh loads it takes to call a tier slower than computing
 
 
 class TierCostModel:
@@ -30,44 +33,42 @@ class TierCostModel:
         self.block_size = block_size
         self._prefill: deque[float] = deque(maxlen=_WINDOW)  # seconds per prompt token
         self._loads: dict[str, deque[tuple[float, float]]] = {}  # (when, seconds per block), by tier
-        self._lock = threading.Lock()  # reader threads report loads
+        self._lock = threading.Lock()  # the step loop reports prefill, reader threads loads and ask
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A step that computed ``num_tokens`` prompt tokens took ``seconds``."""
         if num_tokens >= _MIN_PREFILL_TOKENS and seconds > 0:
-            self._prefill.append(seconds / num_tokens)
+            with self._lock:
+                self._prefill.append(seconds / num_tokens)
 
     def observe_load(self, tier: str, seconds: float) -> None:
         """One block read from ``tier`` took ``seconds``."""
         with self._lock:
             self._loads.setdefault(tier, deque(maxlen=_WINDOW)).append((time.monotonic(), seconds))
 
-    @property
-    def prefill_seconds_per_token(self) -> float | None:
-        return statistics.median(self._prefill) if self._prefill else None
-
-    def load_seconds_per_block(self, tier: str) -> float | None:
-        samples = self._fresh_loads(tier)
-        return statistics.median(samples) if samples else None
-
-    def _fresh_loads(self, tier: str) -> list[float]:
-        oldest = time.monotonic() - _FRESH_S
-        with self._lock:
-            return [seconds for when, seconds in self._loads.get(tier, ()) if when >= oldest]
-
-    def worth_loading(self, tier: str) -> bool:
-        """Whether a lookup should load from ``tier``: yes until fresh figures say it is slower
-        than computing (so a slow tier is tried again once its figures are a minute old)."""
-        load, prefill = self.load_seconds_per_block(tier), self.prefill_seconds_per_token
-        if load is None or prefill is None:
-            return True
-        return load < self.block_size * prefill
-
-    def measured_slower(self, tier: str) -> bool:
-        """Whether at least ``_MIN_LOADS`` fresh loads say ``tier`` is slower than computing: what a
-        read queued behind them checks, so one or two outliers do not turn the rest away."""
-        return len(self._fresh_loads(tier)) >= _MIN_LOADS and not self.worth_loading(tier)
+    def slower_tiers(self) -> frozenset[str]:
+        """The tiers to turn away now: those whose fresh loads, ``_MIN_LOADS`` of them at least,
+        take a median longer than computing the block's tokens. A caller takes it once per
+        decision (a lookup, a read) and asks it about every block of that decision."""
+        prefill, loads = self._figures()
+        if prefill is None:
+            return frozenset()
+        compute = self.block_size * prefill
+        return frozenset(tier for tier, fresh in loads.items()
+                         if len(fresh) >= _MIN_LOADS and statistics.median(fresh) >= compute)
 
     def snapshot(self) -> dict[str, float | None]:
-        return {"prefill_seconds_per_token": self.prefill_seconds_per_token,
-                **{f"{tier}_load_seconds_per_block": self.load_seconds_per_block(tier) for tier in list(self._loads)}}
+        prefill, loads = self._figures()
+        return {"prefill_seconds_per_token": prefill,
+                **{f"{tier}_load_seconds_per_block": statistics.median(fresh) if fresh else None
+                   for tier, fresh in loads.items()}}
+
+    def _figures(self) -> tuple[float | None, dict[str, list[float]]]:
+        """One consistent reading: the median prefill seconds per token (None: not measured) and
+        each tier's fresh loads (seconds per block, the last ``_FRESH_S`` seconds' only)."""
+        oldest = time.monotonic() - _FRESH_S
+        with self._lock:
+            prefill = list(self._prefill)
+            loads = {tier: [seconds for when, seconds in samples if when >= oldest]
+                     for tier, samples in self._loads.items()}
+        return (statistics.median(prefill) if prefill else None), loads

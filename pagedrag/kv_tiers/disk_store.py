@@ -2,40 +2,56 @@
 and that several engines (replicas on one host, or on a shared filesystem) may share.
 
 Layout: ``<root>/<keyspace fingerprint[:16]>/<key[:2]>/<key>.kv``, each file as
-disk_format.encode writes it.
+disk_format.encode writes it, and ``<root>/<keyspace fingerprint[:16]>/used-bytes``: the
+directory's shared byte count, and the lock (an exclusive ``flock`` on it) that every store
+sharing the directory takes to read-modify-write that count, publish a file or evict.
 
 Invariants:
-- Writers write to a temporary name in the same directory and rename it into place
-  (atomic on POSIX), so no reader ever sees a partial file, a writer killed mid-write leaves
-  only a temporary file (swept at start), and two writers of one key are harmless (same bytes).
-- The size budget holds across processes and restarts: each store counts the directory's
-  bytes at start and after every eviction; over budget, the least recently used files (by
-  modification time, which a hit refreshes) are removed until it is back under 90% of it.
+- Writers write to a temporary name in the same directory and publish it by linking it to its
+  final name if that name is absent (atomic on POSIX), so no reader ever sees a partial file,
+  a writer killed mid-write leaves only a temporary file (swept at start), and of two writers
+  of one key only the first publishes (same bytes) and counts it.
+- The count is exact while every writer lives: a file is counted in the locked step that
+  publishes it, and evictions recount under the lock. Files removed as corrupt (``_drop``,
+  without the lock) stay counted until the next eviction's recount (it comes early), and a
+  writer killed between publishing and counting leaves its block uncounted; every store's
+  open recounts, and so does every eviction.
+- The size budget holds across processes and restarts: a put that leaves the count over
+  capacity evicts in the same locked step (the least recently used files of every engine, by
+  modification time, which a hit refreshes) down to 90% of it. So after any put returns, the
+  directory holds at most capacity bytes (that store's) of block files, whichever processes
+  wrote them, plus any blocks of killed writers left uncounted until a recount; transiently,
+  while a put holds the lock, one block more, besides the temporary files of writes in
+  flight. Puts never scan the directory (it may hold 100k files); open and eviction do.
 - A file that fails to decode is removed and counted (``num_dropped``), and is a miss.
-- An OSError of the medium (ENOSPC, EROFS, EACCES, a vanished directory) on write turns the
-  store off with one warning; the engine goes on without it.
+- An OSError of the medium (ENOSPC, EROFS, EACCES, a vanished directory, a count file that
+  cannot be created or locked) on open or write turns the store off with one warning; the
+  engine goes on without it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
-import time
 import os
-import threading
+import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pagedrag.kv_tiers import disk_format
-from pagedrag.kv_tiers.store import StoredBlock
+from pagedrag.kv_tiers.store import DISK_TIER, StoredBlock
 
 logger = logging.getLogger("pagedrag")
 _SUFFIX = ".kv"
 _TEMP_MARK = ".tmp-"
 _LOW_WATER = 0.9
+_COUNT_FILE = "used-bytes"
 
 
 class DiskStore:
-    name = "disk"
+    name = DISK_TIER
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, keyspace: str):
         self.keyspace = keyspace
@@ -44,7 +60,6 @@ class DiskStore:
         self.enabled = self.capacity_bytes > 0
         self.num_dropped = 0
         self._used = 0
-        self._lock = threading.Lock()
         if self.enabled:
             self._open()
 
@@ -53,7 +68,7 @@ class DiskStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._sweep_temporaries()
-            self._used = self._count_bytes()
+            self._update_count(lambda used: used, recount=True)
         except OSError as error:
             self._turn_off(error)
 
@@ -80,6 +95,7 @@ class DiskStore:
     # ---- the store -------------------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
+        """The directory's shared count as this store last saw it (at open and at each put that wrote)."""
         return self._used
 
     def path_of(self, key: bytes) -> Path:
@@ -113,23 +129,41 @@ class DiskStore:
             return
         data = disk_format.encode(key, self.keyspace, block)
         try:
-            _write_atomically(path, data)
+            with _temporary_copy(path, data) as temporary:
+                self._update_count(lambda used: self._publish(temporary, path, used))
         except OSError as error:
             self._turn_off(error)
-            return
-        with self._lock:
-            self._used += len(data)
-            if self._used > self.capacity_bytes:
-                self._evict()
 
-    # ---- upkeep ----------------------------------------------------------------------------
-    def _evict(self) -> None:
-        """Remove least recently used files (every engine's) until under the low-water mark."""
+    # ---- the shared count ------------------------------------------------------------------
+    def _update_count(self, change: Callable[[int], int], recount: bool = False) -> None:
+        """Under the directory's lock, replace its count by ``change(count)``. The count file is
+        opened afresh each time: flock then excludes this process's other threads too, and a
+        shared filesystem's close-to-open consistency hands the count on between hosts. A count
+        file just created or unreadable is recounted."""
+        fd = os.open(self.directory / _COUNT_FILE, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            files = sorted(self._files(), key=_mtime)
-        except OSError as error:
-            self._turn_off(error)
-            return
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            used = None if recount else _read_count(fd)
+            used = change(self._count_bytes() if used is None else used)
+            os.pwrite(fd, b"%020d\n" % used, 0)  # fixed width: overwrites the whole count
+            self._used = used
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _publish(self, temporary: Path, path: Path, used: int) -> int:
+        """Under the lock: give the written temporary file its final name unless a file has it
+        already, and count it; returns the new count, evicting first if it is over capacity."""
+        try:
+            os.link(temporary, path)
+            used += temporary.stat().st_size
+        except FileExistsError:  # another writer published the same bytes, and counted them
+            pass
+        return self._evict() if used > self.capacity_bytes else used
+
+    def _evict(self) -> int:
+        """Under the lock: remove least recently used files (every engine's) until under the
+        low-water mark; returns the bytes left, recounted."""
+        files = sorted(self._files(), key=_mtime)
         used = sum(_size(entry) for entry in files)
         target = self.capacity_bytes * _LOW_WATER
         for entry in files:
@@ -137,12 +171,15 @@ class DiskStore:
                 break
             try:
                 os.unlink(entry.path)
-            except FileNotFoundError:  # another engine evicted it first
+            except FileNotFoundError:  # dropped as corrupt meanwhile
                 pass
             used -= _size(entry)
-        self._used = used
+        return used
 
+    # ---- upkeep ----------------------------------------------------------------------------
     def _drop(self, path: Path) -> None:
+        """Remove a bad file. Without the lock (a read never waits for a writer): the count keeps
+        the file's bytes until the next eviction's recount, which makes that eviction early."""
         self.num_dropped += 1
         logger.warning("kv disk tier: %s is corrupt, truncated or foreign; removed (a miss)", path.name)
         try:
@@ -157,24 +194,39 @@ class DiskStore:
         self.enabled = False
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+@contextmanager
+def _temporary_copy(path: Path, data: bytes) -> Iterator[Path]:
+    """``data`` in a temporary file beside ``path``, removed when the block ends (published or
+    not: a published file keeps its other name)."""
     path.parent.mkdir(exist_ok=True)
     temporary = path.with_name(f"{path.name}{_TEMP_MARK}{uuid.uuid4().hex}")
     try:
         with open(temporary, "wb") as file:
             file.write(data)
-        os.replace(temporary, path)
-    except BaseException:
+        yield temporary
+    finally:
         temporary.unlink(missing_ok=True)
-        raise
 
 
-def _read_file(path: Path) -> bytearray:
-    """The file's bytes in a buffer of their own (decode's tensor keeps it: no further copy)."""
+def _read_count(fd: int) -> int | None:
+    try:
+        return int(os.pread(fd, 64, 0))
+    except ValueError:  # empty (just created) or damaged
+        return None
+
+
+def _read_file(path: Path) -> memoryview:
+    """The file's bytes in an aligned buffer of their own (decode's tensor keeps it: no further
+    copy). A read may return fewer bytes than asked for; only an end of file before the size
+    the file had when opened is an error (an OSError: truncated meanwhile)."""
     with open(path, "rb", buffering=0) as file:
-        data = bytearray(os.fstat(file.fileno()).st_size)
-        if file.readinto(data) != len(data):
-            raise OSError(f"{path.name} changed size while it was read")
+        data = disk_format.aligned_buffer(os.fstat(file.fileno()).st_size)
+        filled = 0
+        while filled < len(data):
+            count = file.readinto(data[filled:])
+            if not count:
+                raise OSError(f"{path.name} ended at byte {filled} of {len(data)} while it was read")
+            filled += count
         return data
 
 

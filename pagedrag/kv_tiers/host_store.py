@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from pagedrag.kv_tiers.store import StoredBlock
+from pagedrag.kv_tiers.store import HOST_TIER, StoredBlock
 
 
 class HostStore:
-    name = "host"
+    name = HOST_TIER
 
     def __init__(self, capacity_bytes: int, pin_memory: bool = False):
         self.capacity_bytes = int(capacity_bytes)

@@ -15,16 +15,36 @@ Invariants every store keeps:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+TIER_NAMES = ("host", "disk")
+"""The tiers under the pool, nearest first: the order a read tries them in, and the label of
+each tier's figures (metrics, ``RequestOutput.num_tier_hit_tokens``)."""
+HOST_TIER, DISK_TIER = TIER_NAMES
+
+
+def tier_hits(*figures: Mapping[str, int] | None) -> dict[str, int]:
+    """Per-tier figures (tokens by tier name; None counts as none) added up tier by tier. Every
+    tier named in any of them is named in the sum, in the order first met; to name every tier
+    of TIER_NAMES, nearest first, pass ``dict.fromkeys(TIER_NAMES, 0)`` first."""
+    total: dict[str, int] = {}
+    for hits in figures:
+        for tier, tokens in (hits or {}).items():
+            total[tier] = total.get(tier, 0) + tokens
+    return total
 
 
 @dataclass(slots=True)
 class StoredBlock:
     token_ids: tuple[int, ...]
     kv: torch.Tensor  # [num_layers, 2, block_size, num_kv_heads, head_dim]
+    # a chunk's first block (chunk reuse): the key of the segment its KV was computed after
+    # (core.chunk_cache); empty for every other block
+    computed_after: bytes = b""
 
     @property
     def num_bytes(self) -> int:
@@ -32,7 +52,7 @@ class StoredBlock:
 
 
 class KVStore(Protocol):
-    name: str  # "host" or "disk": the label of its metrics
+    name: str  # one of TIER_NAMES: the label of its metrics
     enabled: bool
     capacity_bytes: int
     num_dropped: int

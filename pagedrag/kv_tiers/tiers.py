@@ -3,15 +3,17 @@
 ``KVTiers`` takes blocks by their chained block hash (core.block_hash) and keys them within its
 keyspace (keyspace.block_key). Writes are write-through: every block the pool caches is
 offered to every tier once, as the step that completed it ends (so a restarted or a second
-engine finds it, even after a SIGKILL); a read tries the tiers in order (host, then disk)
-and copies a disk hit into the host tier. Reads and writes run on threads of their own, never
-on the step loop: the scheduler asks ``read`` for a future and lets the request wait.
+engine finds it, even after a SIGKILL); a read tries the tiers in order (store.TIER_NAMES:
+host, then disk) and copies a disk hit into the host tier. Reads and writes run on threads of
+their own, never on the step loop: the scheduler asks ``read`` for a future and lets the
+request wait.
 
 Invariants: a read returns a block only when its stored token ids equal the ones asked for;
 everything else (not there, evicted meanwhile, corrupt, another tenant's) is None, a miss. A
 read queued behind others checks the cost model again when it starts: once the first reads of
-a tier (at least four) measure it slower than computing, the rest of a request's reads from it
-are misses (its tokens are computed) instead of each paying the slow read.
+a tier measure it slower than computing (cost_model.slower_tiers, the rule lookups apply too),
+the rest of a request's reads from it are misses (its tokens are computed) instead of each
+paying the slow read.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,13 +31,40 @@ import torch
 
 from pagedrag.kv_tiers.cost_model import TierCostModel
 from pagedrag.kv_tiers.keyspace import block_key
-from pagedrag.kv_tiers.store import KVStore, StoredBlock
+from pagedrag.kv_tiers.store import HOST_TIER, TIER_NAMES, KVStore, StoredBlock
 
 logger = logging.getLogger("pagedrag")
 # The reader and writer threads take the GIL several times a block; while the step loop runs
 # Python, each take waits up to the interpreter's switch interval (5 ms by default). Beside a
 # busy loop a 2 MiB disk read took 66 ms at 5 ms, 9 ms at 0.5 ms (RESULTS.md, "KV tiers").
 GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+class _ShortSwitchInterval:
+    """The process's GIL switch interval, lowered to GIL_SWITCH_INTERVAL_S while anything holds
+    it: the first ``hold`` lowers it, the ``release`` of the last holder restores the value the
+    first hold found. Thread-safe; each hold must be released exactly once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._original = 0.0
+
+    def hold(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._original = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._original, GIL_SWITCH_INTERVAL_S))
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                sys.setswitchinterval(self._original)
+
+
+_SHORT_SWITCH_INTERVAL = _ShortSwitchInterval()
 
 
 class TierStats:
@@ -58,15 +88,23 @@ class TierStats:
 
 
 class KVTiers:
+    """``stores``: at most one a tier; kept nearest first (TIER_NAMES order), the host tier, if
+    any, first. While an enabled store off host memory is there (its reads run on the reader
+    threads) the process holds the short GIL switch interval, until ``close`` or until the
+    object is collected, whichever comes first."""
+
     def __init__(self, stores: Sequence[KVStore], keyspace: str, cost: TierCostModel):
-        self.stores = list(stores)
+        self.stores = sorted(stores, key=lambda store: TIER_NAMES.index(store.name))
         self.keyspace = keyspace
         self.cost = cost
         self.stats = TierStats()
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedrag-kv-read")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrag-kv-write")  # FIFO
-        self._switch_interval = sys.getswitchinterval()  # the process's, given back by close()
-        sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
+        self._host = next((store for store in self.stores if store.name == HOST_TIER), None)
+        self._release_switch_interval = None  # a weakref.finalize: runs once, by close() or collection
+        if any(store.enabled and store is not self._host for store in self.stores):
+            _SHORT_SWITCH_INTERVAL.hold()
+            self._release_switch_interval = weakref.finalize(self, _SHORT_SWITCH_INTERVAL.release)
 
     @property
     def enabled(self) -> bool:
@@ -81,30 +119,35 @@ class KVTiers:
         return next((store.name for store in self.stores if store.enabled and store.contains(key)), None)
 
     # ---- reads ---------------------------------------------------------------------------------
-    def read(self, block_hash: bytes, token_ids: Sequence[int]) -> Future:
-        """A future of (StoredBlock or None, the tier it came from or None). A block in host
-        memory is read at once (a lookup: a thread would only add its hop); others on a reader
-        thread."""
+    def read(self, block_hash: bytes, token_ids: Sequence[int], slower: frozenset[str] | None = None) -> Future:
+        """A future of (StoredBlock or None, the tier it came from or None). ``slower``: the
+        tiers the caller's lookup turned away (cost.slower_tiers(), taken now when None). A
+        block in host memory is read at once, under that decision (a lookup: a thread would
+        only add its hop); others on a reader thread, which takes the decision anew when the
+        read starts: the reads queued before it may have measured a tier slower than computing."""
         key = self.key(block_hash)
-        if self.stores and self.stores[0].name == "host" and self.stores[0].contains(key):
+        if self._host is not None and self._host.contains(key):
             done: Future = Future()
-            done.set_result(self._read(key, tuple(token_ids)))
+            done.set_result(self._read(key, tuple(token_ids), slower))
             return done
         return self._readers.submit(self._read, key, tuple(token_ids))
 
-    def _read(self, key: bytes, token_ids: tuple[int, ...]) -> tuple[StoredBlock | None, str | None]:
+    def _read(self, key: bytes, token_ids: tuple[int, ...],
+              slower: frozenset[str] | None = None) -> tuple[StoredBlock | None, str | None]:
+        if slower is None:
+            slower = self.cost.slower_tiers()
         for depth, store in enumerate(self.stores):
             if not (store.enabled and store.contains(key)):
                 continue
-            if self.cost.measured_slower(store.name):  # since the read was asked for (the first
-                return None, None  # reads of a slow tier): a miss, its tokens are computed
+            if store.name in slower:  # a miss: its tokens are computed
+                return None, None
             start = time.perf_counter()
             block = store.get(key)
             seconds = time.perf_counter() - start
             if block is None or block.token_ids != token_ids:
                 continue
             self.cost.observe_load(store.name, seconds)
-            if store.name != "host":
+            if store is not self._host:  # into host memory ("host" in a transfer label is memory)
                 self.stats.moved(f"{store.name}_to_host", block.num_bytes, seconds)
             for upper in self.stores[:depth]:
                 upper.put(key, block)
@@ -112,10 +155,11 @@ class KVTiers:
         return None, None
 
     # ---- writes --------------------------------------------------------------------------------
-    def write(self, entries: Sequence[tuple[bytes, Sequence[int]]], kv: torch.Tensor,
+    def write(self, entries: Sequence[tuple[bytes, Sequence[int], bytes]], kv: torch.Tensor,
               ready: torch.cuda.Event | None) -> None:
-        """Offer blocks to every tier: ``entries[i]`` is (block hash, token ids) of ``kv[i]``, a
-        host tensor [n, layers, 2, block_size, kv_heads, head_dim], complete once ``ready`` fired."""
+        """Offer blocks to every tier: ``entries[i]`` is (block hash, token ids, computed_after:
+        see StoredBlock) of ``kv[i]``, a host tensor [n, layers, 2, block_size, kv_heads,
+        head_dim], complete once ``ready`` fired."""
         if entries and self.enabled:
             self._writer.submit(self._write, list(entries), kv, ready)
 
@@ -132,11 +176,11 @@ class KVTiers:
         self.stats.moved("device_to_host", kv.numel() * kv.element_size(), time.perf_counter() - start)
         for store in self.stores:
             start, num_bytes = time.perf_counter(), 0
-            for (block_hash, token_ids), block_kv in zip(entries, kv):
-                block = StoredBlock(tuple(token_ids), block_kv.clone())
+            for (block_hash, token_ids, computed_after), block_kv in zip(entries, kv):
+                block = StoredBlock(tuple(token_ids), block_kv.clone(), computed_after)
                 store.put(self.key(block_hash), block)
                 num_bytes += block.num_bytes
-            if store.name != "host":
+            if store is not self._host:
                 self.stats.moved(f"host_to_{store.name}", num_bytes, time.perf_counter() - start)
 
     def written(self) -> Future:
@@ -145,10 +189,13 @@ class KVTiers:
         return self._writer.submit(lambda: None)
 
     def close(self) -> None:
-        self.written().result()
-        self._readers.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
-        sys.setswitchinterval(self._switch_interval)
+        try:
+            self.written().result()
+            self._readers.shutdown(wait=True)
+            self._writer.shutdown(wait=True)
+        finally:
+            if self._release_switch_interval is not None:
+                self._release_switch_interval()
 
     def snapshot(self) -> dict:
         """Each tier's use and capacity, the traffic so far and the cost model's figures."""

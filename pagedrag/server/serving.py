@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 import uuid
@@ -15,6 +14,7 @@ from starlette.requests import Request
 from pagedrag.entrypoints.async_engine import AsyncLLMEngine
 from pagedrag.deltas import ChoiceCursor, ChoiceDelta
 from pagedrag.engine.inputs import ProcessedPrompt
+from pagedrag.kv_tiers.store import tier_hits
 from pagedrag.outputs import RequestOutput
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.server.auth import bearer_token, tenant_cache_salt
@@ -90,12 +90,10 @@ class Run:
         outputs = self._last.values()
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
         generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        tier_hits = collections.Counter()
-        for output in outputs:
-            tier_hits.update(output.num_tier_hit_tokens)
+        hits = tier_hits(*(o.num_tier_hit_tokens for o in outputs))
         details = PromptTokensDetails.of(prompt, sum(o.num_cached_tokens for o in outputs),
                                          sum(o.num_chunk_hit_tokens for o in outputs),
-                                         sum(o.num_recomputed_tokens for o in outputs), dict(tier_hits))
+                                         sum(o.num_recomputed_tokens for o in outputs), hits)
         return Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated,
                      prompt_tokens_details=details)
 

@@ -27,6 +27,7 @@ Figures:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import tempfile
@@ -176,15 +177,10 @@ def report(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
     for name, p in PROFILES.items():
         proposer.p = p
         for gate in (64, DEFAULT_DISABLE_BY_BATCH_SIZE):
-            engine.drafter.config = type(engine.drafter.config)(**{**_fields(engine.drafter.config),
-                                                                  "disable_by_batch_size": gate})
+            engine.drafter.config = dataclasses.replace(engine.drafter.config, disable_by_batch_size=gate)
             rate = statistics.median(len(prompts) * tokens / timed(lambda: generate(prompts, on)) for _ in range(2))
             print(f"| {name}, disable_by_batch_size={gate} | {rate:.0f} | {rate / workload:.2f}x |")
     undo()
-
-
-def _fields(config) -> dict:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
 
 
 if __name__ == "__main__":

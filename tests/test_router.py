@@ -154,6 +154,8 @@ def test_a_warm_up_through_the_router_is_every_replicas_answered_as_one():
     assert [(entry["replica"], entry["status"]) for entry in body["replicas"]] == [("a", 503), ("b", 200), ("c", 503)]
     assert body["replicas"][0]["error"]["code"] == "queue_full"
     assert "did not answer" in body["replicas"][2]["error"]["message"]
+    status, body = _fan_out({"a": httpx.Response(502, text="Bad Gateway"), "b": warmed})  # not JSON: an error body
+    assert status == 200 and body["replicas"][0]["error"]["message"] == "Bad Gateway"
     assert _fan_out({"a": warmed, "b": refused}) == (400, refused.json())  # a bad request is never a 200
     assert _fan_out({"a": full, "b": httpx.ReadError("died")}) == (503, full.json())  # none warmed
 

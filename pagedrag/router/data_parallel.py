@@ -37,6 +37,7 @@ from starlette.background import BackgroundTask
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
 from pagedrag.router.metrics_sum import merge_metrics, merge_stats
 from pagedrag.router.prompt_blocks import PromptBlocks
+from pagedrag.router.proxy_headers import forwarded_headers
 from pagedrag.router.warm_fanout import WARM_PATH, warm_every_replica
 from pagedrag.server.background import free_port
 from pagedrag.server.errors import APIError
@@ -44,7 +45,6 @@ from pagedrag.server.errors import APIError
 logger = logging.getLogger("pagedrag")
 
 REPLICA_WAIT_S = 300.0  # how long a request waits for a replica to come (back) up
-_HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
 
 @dataclass
@@ -182,7 +182,7 @@ def build_router_app(replicas: Replicas) -> FastAPI:
     @app.post(WARM_PATH)
     async def warm(request: Request) -> Response:
         return await warm_every_replica(replicas.client, await replicas.live(), await request.body(),
-                                        _forwarded_headers(request))
+                                        forwarded_headers(request.headers))
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(path: str, request: Request) -> Response:
@@ -196,7 +196,7 @@ def build_router_app(replicas: Replicas) -> FastAPI:
 
 async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[bytes]) -> Response:
     """Send to the chosen replica; on a replica that fails before answering, to another."""
-    headers = _forwarded_headers(request)
+    headers = forwarded_headers(request.headers)
     tried: set[str] = set()
     for _ in range(2 * len(replicas.replicas) + 1):  # each replica twice: a restarted one may take it
         replica = await replicas.pick(hashes, tried)
@@ -213,11 +213,6 @@ async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[
             continue
         return reply.response(replica)
     raise APIError(503, "every engine replica failed to answer this request", code="service_unavailable")
-
-
-def _forwarded_headers(request: Request) -> dict[str, str]:
-    """The caller's headers a replica is sent (its API key among them): all but hop-by-hop ones."""
-    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
 
 
 @dataclass
@@ -244,8 +239,7 @@ class _Reply:
             raise
 
     def response(self, replica: LocalReplica) -> Response:
-        headers = {k: v for k, v in self.upstream.headers.items()
-                   if k.lower() not in _HOP_HEADERS | {"content-encoding"}}
+        headers = forwarded_headers(self.upstream.headers, drop={"content-encoding"})
 
         async def done() -> None:
             replica.in_flight -= 1

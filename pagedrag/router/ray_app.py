@@ -17,6 +17,8 @@ Deployments:
   over the body's block hashes (router.prompt_blocks) and their requests in flight. A
   replica that fails before its reply began (a stream's first chunk, a whole JSON reply):
   the request goes to another one; Ray Serve restarts the dead replica.
+- POST /v1/warm: sent to every EngineReplica running at once (the handle's broadcast) and
+  answered as one (router.warm_fanout).
 - /metrics: each replica publishes its Prometheus text to a named actor every
   ``METRICS_PERIOD_S``; the ingress serves them merged (router.metrics_sum).
 """
@@ -34,19 +36,21 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import generate_latest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
 from pagedrag.router.metrics_sum import merge_metrics
 from pagedrag.router.prompt_blocks import PromptBlocks
+from pagedrag.router.proxy_headers import forwarded_headers
+from pagedrag.router.warm_fanout import WARM_PATH, WarmAnswer, combined
 from pagedrag.server.errors import APIError
 
 METRICS_PERIOD_S = 5.0
 _BOARD = "pagedrag-metrics"
 _STALE_S = 4 * METRICS_PERIOD_S  # a replica silent this long is gone from /metrics
 _RETRIES = 3
-_HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
 
 # ---- the router ------------------------------------------------------------------------
@@ -132,6 +136,12 @@ class EngineReplica:
         async for message in _asgi_call(self.app, method, path, query, headers, body):
             yield message
 
+    async def warm(self, headers: dict[str, str], body: bytes) -> WarmAnswer:
+        """The app's answer to POST /v1/warm, named by this replica (the ingress sends it to
+        every replica at once)."""
+        head, *chunks = [message async for message in _asgi_call(self.app, "POST", WARM_PATH, "", headers, body)]
+        return WarmAnswer.of(self.name, head["status"], b"".join(chunks))
+
     def __del__(self):
         self.engine.shutdown()
 
@@ -189,7 +199,7 @@ async def _opening(replies) -> tuple[dict, list[bytes]]:
 
 
 def _reply(head: dict, first: list[bytes], replies) -> Response:
-    headers = {k: v for k, v in head["headers"].items() if k.lower() not in _HOP_HEADERS}
+    headers = forwarded_headers(head["headers"])
     if "text/event-stream" not in head["headers"].get("content-type", ""):
         return Response(b"".join(first), status_code=head["status"], headers=headers)
 
@@ -200,6 +210,19 @@ def _reply(head: dict, first: list[bytes], replies) -> Response:
             yield chunk
 
     return StreamingResponse(stream(), status_code=head["status"], headers=headers)
+
+
+async def warm_every_replica(engine: DeploymentHandle, headers: dict[str, str], body: bytes) -> Response:
+    """The warm-up ``body`` sent to every replica ``engine`` reaches at once (its broadcast),
+    answered as router.warm_fanout says, by replica name. A replica that died before answering
+    is a 503 entry named "unknown" (the broadcast does not say whose its error was)."""
+    try:
+        results = await engine.broadcast("warm", headers, body).results_async(return_exceptions=True)
+    except DeploymentUnavailableError:
+        return APIError(503, "no engine replica is up", code="service_unavailable").response()
+    answers = [result if isinstance(result, WarmAnswer) else WarmAnswer.unanswered("unknown", result)
+               for result in results]
+    return combined(sorted(answers, key=lambda answer: answer.replica))
 
 
 # serve.ingress serializes the app where it decorates the class: what its routes call is defined above.
@@ -217,10 +240,14 @@ class Ingress:
         texts = await _board().fresh.remote()
         return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @ingress_app.post(WARM_PATH)
+    async def warm(self, request: Request) -> Response:
+        return await warm_every_replica(self.engine, forwarded_headers(request.headers), await request.body())
+
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(self, path: str, request: Request) -> Response:
         body = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers = forwarded_headers(request.headers)
         for attempt in range(_RETRIES):
             replies = self.engine.forward.remote(request.method, request.url.path, request.url.query, headers, body)
             try:

@@ -13,6 +13,7 @@ from langchain_core.outputs import GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
 
 from pagedrag.client import Generation, run_sync, tier_hits
+from pagedrag.rag.chunk_reuse_support import chunk_reuse_figures
 from pagedrag.sampling_params import SamplingParams
 
 from ._engine import LangChainSettings, generation_info, openai_logprobs
@@ -131,9 +132,9 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
     def _result(self, wholes: list[Generation]) -> LLMResult:
         generations = [[LCGeneration(text=choice.text, generation_info=generation_info(choice, whole, self.model_label))
                         for choice in whole.choices] for whole in wholes]
-        infos = [generation_info(whole, whole, self.model_label) for whole in wholes]
-        usage = {**{key: sum(info[key] for info in infos) for key in _SUMMED},
-                 "tier_cache_hits": tier_hits(*(info["tier_cache_hits"] for info in infos))}
+        counts = [{**whole.cache_figures(), **chunk_reuse_figures(whole)} for whole in wholes]
+        usage = {**{key: sum(each[key] for each in counts) for key in _SUMMED},
+                 "tier_cache_hits": tier_hits(*(whole.tier_cache_hits for whole in wholes))}
         return LLMResult(generations=generations, llm_output={"token_usage": usage, "model_name": self.model_label})
 
     def _chunk(self, piece: Generation, with_usage: bool) -> GenerationChunk:

@@ -4,13 +4,18 @@ without drafting from the context, side by side in one run.
     nice -n 10 python benchmarks/bench_spec_cpu.py [--prompts 5] [--max-tokens 128] [--quantization gguf]
     nice -n 10 python benchmarks/bench_spec_cpu.py --concurrency 1 2 4 8 [--max-tokens 64]
 
-Two workloads: "rag", the RAG prompts of pagedrag.entrypoints.bench (a system prompt, 3-5
+Four workloads: "rag", the RAG prompts of pagedrag.entrypoints.bench (a system prompt, 3-5
 standard-library docstring chunks, a question about one of them; 600-800 tokens), whose
-answers copy their chunks; and "open", short open-ended prompts that copy nothing. Each
+answers copy their chunks; "pydoc stream" and "stdlib stream", questions spread evenly over
+the 176-question pydoc-topics stream and over the same stream built on the standard library's
+docstrings (benchmarks/rag_stream.py: MiniLM top-5 chunks, the canonicalizer's layout); and
+"open", short open-ended prompts that copy nothing. Each
 prompt is answered greedily by an engine without speculation, with ``ngram`` and with
 ``suffix`` (engines built once, prompts interleaved so that drift hits all alike; the first
 prompt of each workload warms up and is not counted). Decode speed is a request's output
-tokens after the first over the time from its first token to its end. Prints markdown
+tokens after the first over the time from its first token to its end; "tokens a step" is those
+tokens over the decode steps that made them (drafting or not), "mean acceptance length" the
+same over drafting steps only (vLLM's figure). Prints markdown
 tables for benchmarks/RESULTS.md, with each engine's agreement with the one without
 speculation: the share of answer tokens before the first that differs (1.00 in float32; the
 low-bit kernels round a 9-row product differently from a 1-row one, so near-ties can flip).
@@ -53,19 +58,36 @@ def decode_rate(output) -> float:
     return (len(output.outputs[0].token_ids) - 1) / (times.finished_time - times.first_token_time)
 
 
-def workloads(tokenizer, num_prompts: int) -> dict[str, list[str]]:
+def workloads(tokenizer, num_prompts: int, streams: bool = False) -> dict[str, list[str]]:
+    """The prompts of each workload (``num_prompts`` + 1 each: the first warms up); the two
+    streams only with ``streams``."""
     def chat(messages):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     rag = [chat(r.messages()) for r in rag_requests(num_prompts + 1, num_chunk_sets=num_prompts + 1,
                                                     tokenizer=tokenizer)]
     open_ended = [chat([{"role": "user", "content": text}]) for text in OPEN_PROMPTS[:num_prompts + 1]]
-    return {"rag": rag, "open": open_ended}
+    from_streams = {f"{corpus} stream": [chat(messages) for messages in stream_prompts(corpus, num_prompts + 1)]
+                    for corpus in ("pydoc", "stdlib")} if streams else {}
+    return {"rag": rag, **from_streams, "open": open_ended}
+
+
+def stream_prompts(corpus: str, count: int) -> list[list[dict]]:
+    """Chat messages of ``count`` questions spread evenly over a rag_stream corpus's stream."""
+    from rag_stream import SYSTEM_PROMPT, rag_stream
+
+    from pagedrag.rag.canonical import PromptCanonicalizer
+
+    stream = rag_stream(corpus=corpus)
+    canonicalizer = PromptCanonicalizer(SYSTEM_PROMPT)
+    return [canonicalizer.build(question, [(chunk.source_id, chunk.text) for chunk in chunks]).messages
+            for question, chunks in stream[::max(1, len(stream) // count)][:count]]
 
 
 def run(engines: dict[str, LLM], llama_cpps: dict[str, LlamaCpp], prompts: list[str],
         params: SamplingParams) -> tuple[dict, dict, dict]:
-    """Decode rates by engine (prompts after the first), their mean acceptance lengths (None for
-    llama.cpp), and their agreement with the engine without speculation."""
+    """Decode rates by engine (prompts after the first), their tokens a decode step and mean
+    acceptance lengths (None for llama.cpp), and their agreement with the engine without
+    speculation."""
     names = [*engines, *llama_cpps]
     rates, answers = {name: [] for name in names}, {name: [] for name in names}
     before = {name: llm.stats() for name, llm in engines.items()}
@@ -80,7 +102,8 @@ def run(engines: dict[str, LLM], llama_cpps: dict[str, LlamaCpp], prompts: list[
             rate, answer = llama.answer(prompt_ids, params.max_tokens)
             rates[name] += [rate] if index else []
             answers[name].append(answer)
-    acceptance = {name: _acceptance_length(before[name], llm.stats()) for name, llm in engines.items()}
+    tokens = sum(len(answer) - 1 for answer in answers["off"])
+    acceptance = {name: _acceptance(before[name], llm.stats(), tokens) for name, llm in engines.items()}
     acceptance.update(dict.fromkeys(llama_cpps))
     return rates, acceptance, {name: _agreement(answers[name], answers["off"]) for name in names}
 
@@ -93,12 +116,14 @@ def _agreement(answers: list[list[int]], references: list[list[int]]) -> float:
     return agreed / sum(len(reference) for reference in references)
 
 
-def _acceptance_length(before: dict, after: dict) -> float | None:
+def _acceptance(before: dict, after: dict, tokens: int) -> tuple[float, float] | None:
+    """(tokens a decode step, mean acceptance length) of an engine that decoded ``tokens``
+    tokens after the first ones of its answers; None without drafting."""
     if "spec_decode_num_drafts" not in after:
         return None
     drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-    return 1 + accepted / drafts if drafts else 0.0
+    return tokens / (tokens - accepted), (1 + accepted / drafts if drafts else 0.0)
 
 
 def concurrency_sweep(levels: list[int], max_tokens: int, quantization: str | None) -> None:
@@ -149,17 +174,17 @@ def main() -> None:
         "llama.cpp": LlamaCpp(threads, eos), "llama.cpp prompt lookup": LlamaCpp(threads, eos, prompt_lookup=8)}
     print(f"{platform.machine()}, quantization={args.quantization}, {args.prompts} prompts a workload, "
           f"{args.max_tokens} tokens\n")
-    print("| workload | drafting | decode tok/s (median) | per prompt | vs off | mean acceptance length | "
-          "agreement with off |")
-    print("|---|---|---|---|---|---|---|")
-    for workload, prompts in workloads(engines["off"].get_tokenizer(), args.prompts).items():
+    print("| workload | drafting | decode tok/s (median) | per prompt | vs off | tokens a step | "
+          "mean acceptance length | agreement with off |")
+    print("|---|---|---|---|---|---|---|---|")
+    for workload, prompts in workloads(engines["off"].get_tokenizer(), args.prompts, streams=True).items():
         rates, acceptance, agreement = run(engines, llama_cpps, prompts, params)
         baseline = statistics.median(rates["off"])
         for name in rates:
             median = statistics.median(rates[name])
-            length = "-" if acceptance[name] is None else f"{acceptance[name]:.2f}"
+            per_step, length = ("-", "-") if acceptance[name] is None else (f"{a:.2f}" for a in acceptance[name])
             print(f"| {workload} | {name} | {median:.1f} | {', '.join(f'{r:.1f}' for r in rates[name])} | "
-                  f"{median / baseline:.2f}x | {length} | {agreement[name]:.2f} |")
+                  f"{median / baseline:.2f}x | {per_step} | {length} | {agreement[name]:.2f} |")
 
 
 if __name__ == "__main__":

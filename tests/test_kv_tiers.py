@@ -17,7 +17,7 @@ from test_engine_equivalence import hf_greedy
 from pagedrag import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
-ENGINE = {"max_model_len": 512, "num_gpu_blocks_override": 96, "block_size": 16}
+ENGINE = {"max_model_len": 512, "num_gpu_blocks_override": 96, "block_size": 16, "dtype": "float32"}
 
 
 @pytest.fixture(scope="module")

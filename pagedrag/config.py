@@ -187,16 +187,14 @@ class EngineArgs:
 
     def _validate_speculation(self) -> None:
         """Speculative decoding reads each step's tokens before scheduling the next (how many
-        drafts were accepted decides the next step), and runs on one rank for now."""
+        drafts were accepted decides the next step). Under tensor parallelism rank 0 drafts and
+        verifies; the other ranks run its verification steps like any other step."""
         if self.speculative_config is None:
             return
         self.speculative()
         if self.async_scheduling:
             raise ValueError("speculative_config needs synchronous scheduling: leave async_scheduling unset "
                              "or False")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("speculative_config runs on one rank; it cannot be combined with "
-                             f"tensor_parallel_size={self.tensor_parallel_size} yet")
 
     def speculative(self) -> SpeculativeConfig | None:
         """The validated speculative_config (None: no speculative decoding)."""

@@ -248,8 +248,7 @@ def test_config_through_the_cli_and_refused_combinations():
     assert not args.resolved_async_scheduling(torch.device("cuda"))
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineArgs(speculative_config=NGRAM, async_scheduling=True)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineArgs(speculative_config=NGRAM, tensor_parallel_size=2)
+    assert EngineArgs(speculative_config=NGRAM, tensor_parallel_size=2).speculative().method == "ngram"
 
 
 def test_the_opt_out_over_http_is_a_strict_boolean():

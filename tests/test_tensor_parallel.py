@@ -3,7 +3,7 @@
 Greedy outputs at tensor_parallel_size=2 equal HF transformers' generate (and so the
 one-rank engine's, which test_engine_equivalence holds to the same reference), with
 prefix caching, chunked prefill, both preemption modes, copy-on-write forks, prompt
-logprobs and asynchronous scheduling; sizes that cannot be split are refused before any
+logprobs, asynchronous scheduling and speculative decoding; sizes that cannot be split are refused before any
 worker starts; a worker that dies stops the engine with an error naming it; torchrun
 can start the ranks.
 """
@@ -78,6 +78,21 @@ def test_two_ranks_prompt_logprobs_and_recompute_preemption_match_one_rank(tmp_p
         for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
             assert a.keys() == b.keys()
             assert [x.logprob for x in a.values()] == pytest.approx([x.logprob for x in b.values()], abs=1e-4)
+
+
+def test_two_ranks_with_speculative_decoding_match_hf(llama):
+    """Rank 0 drafts and verifies; rank 1 runs the verification steps (1 + k tokens a row)
+    like any other: greedy output is HF's, with drafts accepted on the way."""
+    path, prompts, _ = llama
+    repeating = [(prompt[:9] * 6)[:48] for prompt in prompts[:3]]  # n-grams recur from the start
+    llm = LLM(path, tensor_parallel_size=2, max_model_len=128, num_gpu_blocks_override=32,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **CPU)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24)
+        assert generate(llm, repeating, params) == hf_greedy(path, repeating, max_new=24)
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_sizes_that_do_not_divide_the_heads_are_refused_before_workers_start(llama):

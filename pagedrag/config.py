@@ -186,15 +186,12 @@ class EngineArgs:
         self._validate_speculation()
 
     def _validate_speculation(self) -> None:
-        """Speculative decoding reads each step's tokens before scheduling the next (how many
-        drafts were accepted decides the next step). Under tensor parallelism rank 0 drafts and
-        verifies; the other ranks run its verification steps like any other step."""
+        """The speculative_config parses (any other method or key is refused by name). Under
+        tensor parallelism rank 0 drafts and verifies; the other ranks run its verification
+        steps like any other step."""
         if self.speculative_config is None:
             return
         self.speculative()
-        if self.async_scheduling:
-            raise ValueError("speculative_config needs synchronous scheduling: leave async_scheduling unset "
-                             "or False")
 
     def speculative(self) -> SpeculativeConfig | None:
         """The validated speculative_config (None: no speculative decoding)."""
@@ -231,11 +228,11 @@ class EngineArgs:
         return dtype
 
     def resolved_async_scheduling(self, device: torch.device) -> bool:
-        """Whether a step's tokens are read back during the next step: by default only on
-        CUDA, where the device works while the host does the bookkeeping, and never with
-        speculative decoding."""
+        """Whether a step's tokens may be read back during the next step: by default only on
+        CUDA, where the device works while the host does the bookkeeping. With speculative
+        decoding only steps after which nothing can draft run so (LLMEngine._leaves_tokens_in_flight)."""
         if self.async_scheduling is None:
-            return device.type == "cuda" and self.speculative_config is None
+            return device.type == "cuda"
         return self.async_scheduling
 
     def resolved_max_num_batched_tokens(self, max_model_len: int, device: torch.device) -> int:

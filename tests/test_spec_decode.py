@@ -89,6 +89,28 @@ def test_greedy_equals_hf_and_no_speculation_with_prefix_caching(tiny, method):
     assert_all_free(llm)
 
 
+def test_asynchronous_steps_above_the_gate_drafting_below_it(tiny):
+    """With asynchronous scheduling, steps leave their tokens on the device while more requests
+    run than drafting allows; once the batch is at the gate the tokens are read each step and
+    the requests draft: greedy output is still HF's."""
+    path, references = tiny
+    llm = make_llm(path, {**NGRAM, "disable_by_batch_size": 1}, async_scheduling=True)
+    engine = llm.llm_engine
+    in_flight = []
+    real = engine.runner.execute
+    def spy(step, inflight=None):
+        in_flight.append(inflight is not None)
+        return real(step, inflight)
+    engine.runner.execute = spy
+    prompts = [{"prompt_token_ids": p} for p in repeating_prompts()]
+    lengths = [MAX_NEW, 8, 8]  # three requests run together, then the first alone
+    outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n) for n in lengths], use_tqdm=False)
+    assert token_ids(outputs) == [reference[:n] for reference, n in zip(references, lengths)]
+    assert any(in_flight) and not all(in_flight)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert_all_free(llm)
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_tight_pool_preempts_and_stays_exact(tiny, preemption_mode):
     path, references = tiny
@@ -245,9 +267,7 @@ def test_config_through_the_cli_and_refused_combinations():
     add_arguments(parser)
     args = engine_args_from(parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']))
     assert args.speculative().num_speculative_tokens == 3
-    assert not args.resolved_async_scheduling(torch.device("cuda"))
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineArgs(speculative_config=NGRAM, async_scheduling=True)
+    assert args.resolved_async_scheduling(torch.device("cuda"))  # steps above the drafting gate
     assert EngineArgs(speculative_config=NGRAM, tensor_parallel_size=2).speculative().method == "ngram"
 
 

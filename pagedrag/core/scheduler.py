@@ -12,7 +12,8 @@ A prompt longer than the remaining budget is split over steps (chunked prefill).
 A request whose in-flight sampled token (asynchronous scheduling) is certainly its
 last gets no tokens: it ends once that token is read (``_ends_with_inflight_token``).
 With speculative decoding (a ``drafter``) a decode also carries the tokens drafted after
-its last one, when their slots fit without preempting anyone (``_reserve``).
+its last one, when their slots fit without preempting anyone (``_reserve``) and that last
+one is known (not still on the device).
 After the model ran the step, ``update_after_step`` records what it computed, and
 ``accept_drafts`` what the verifier kept of each draft.
 """
@@ -214,8 +215,8 @@ class Scheduler:
     def _draft(self, request: Request, num_new: int, budget: int, batch_size: int) -> list[int]:
         """The drafter's tokens for a decode (one new token, known), within what the request's
         max_tokens and max_model_len and the step's budget leave room for after it."""
-        if self.drafter is None or num_new != 1:  # (never with asynchronous scheduling: EngineArgs)
-            return []
+        if self.drafter is None or num_new != 1 or request.num_inflight_tokens:
+            return []  # a token still on the device (asynchronous step): the drafter cannot see it
         room = budget - 1
         if request.params.max_tokens is not None:
             room = min(room, request.params.max_tokens - request.num_output_tokens - 1)

@@ -191,7 +191,8 @@ class LLMEngine:
         the previous step's tokens and turns them into outputs, so the host's bookkeeping
         overlaps the device's work. Outputs then arrive one step late, and a request that
         stops computes one token more, which is dropped. Without it (the default on CPU,
-        where nothing would overlap) each step returns its own tokens.
+        where nothing would overlap) each step returns its own tokens; with speculative
+        decoding, so does each step after which a request may draft.
 
         A step that raises fails only the requests it traces to (pagedrag.engine.recovery): their
         outputs come back finished, with ``error`` set. Raises EngineDeadError (or the device's
@@ -229,12 +230,21 @@ class LLMEngine:
         plan, verifying = self._sampling_plan(step)
         sampled = self.runner.sample(logits.sampling, plan)
         touched |= self._complete_verified(self.runner.verify(logits.sampling, verifying))
-        if sampled is not None and not asynchronous:
+        if sampled is not None and not (asynchronous and self._leaves_tokens_in_flight()):
             touched |= self._complete(sampled)
         else:
             self._inflight = sampled
         self._observe(step)
         return [self._output(group_id) for group_id in touched if group_id in self.groups]
+
+    def _leaves_tokens_in_flight(self) -> bool:
+        """Whether an asynchronous step may leave its tokens on the device: always without
+        speculative decoding; with it only where the next step cannot draft (more requests run
+        than drafting allows, or none of them drafts). A request whose last token is still on
+        the device cannot draft, so where the next step may, this step's tokens are read now."""
+        running = self.scheduler.running
+        return (self.drafter is None or len(running) > self.drafter.config.disable_by_batch_size
+                or not any(request.params.speculative_decoding for request in running))
 
     def _offer_to_tiers(self, step: SchedulerOutput, seconds: float) -> None:
         """Hand the blocks this step completed to the KV tiers (write-through: a restarted or a

@@ -262,7 +262,7 @@ def test_bad_config_refused_by_name(config, name):
         EngineArgs(speculative_config=config)
 
 
-def test_config_through_the_cli_and_refused_combinations():
+def test_config_through_the_cli_with_asynchronous_scheduling():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = engine_args_from(parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']))

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 serve = pytest.importorskip("ray.serve")
 import ray  # noqa: E402
 
-from pagedrag.router.ray_app import EngineReplica, build_app, warm_every_replica  # noqa: E402
+from pagedrag.router.ray_app import EngineReplica, build_app, warm_by_broadcast  # noqa: E402
 
 PORT = 8127
 URL = f"http://127.0.0.1:{PORT}"
@@ -70,7 +70,7 @@ def test_the_ingress_sends_a_warm_up_to_every_replica_and_answers_as_one():
     refused = {"error": {"message": "give prompt", "type": "invalid_request_error"}}
 
     def warm(*replicas) -> tuple[int, dict]:
-        response = asyncio.run(warm_every_replica(_Handle(list(replicas)), {"authorization": "Bearer k"}, b"{}"))
+        response = asyncio.run(warm_by_broadcast(_Handle(list(replicas)), {"authorization": "Bearer k"}, b"{}"))
         return response.status_code, json.loads(response.body)
 
     status, body = warm(_replica("b", 200, counts), _replica("a", 200, counts), ray.exceptions.ActorDiedError())

@@ -212,7 +212,7 @@ def _reply(head: dict, first: list[bytes], replies) -> Response:
     return StreamingResponse(stream(), status_code=head["status"], headers=headers)
 
 
-async def warm_every_replica(engine: DeploymentHandle, headers: dict[str, str], body: bytes) -> Response:
+async def warm_by_broadcast(engine: DeploymentHandle, headers: dict[str, str], body: bytes) -> Response:
     """The warm-up ``body`` sent to every replica ``engine`` reaches at once (its broadcast),
     answered as router.warm_fanout says, by replica name. A replica that died before answering
     is a 503 entry named "unknown" (the broadcast does not say whose its error was)."""
@@ -242,7 +242,7 @@ class Ingress:
 
     @ingress_app.post(WARM_PATH)
     async def warm(self, request: Request) -> Response:
-        return await warm_every_replica(self.engine, forwarded_headers(request.headers), await request.body())
+        return await warm_by_broadcast(self.engine, forwarded_headers(request.headers), await request.body())
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(self, path: str, request: Request) -> Response:

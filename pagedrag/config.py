@@ -152,9 +152,6 @@ class EngineArgs:
              f"kv_disk_path must be a directory path, got {self.kv_disk_path!r}"),
             (self.enable_prefix_caching or not self.uses_kv_tiers,
              "kv_offloading_size / kv_disk_path need enable_prefix_caching: the tiers hold prefix-cache blocks"),
-            (self.tensor_parallel_size == 1 or not self.uses_kv_tiers,
-             f"KV tiers (kv_offloading_size / kv_disk_path) run on one rank; tensor_parallel_size="
-             f"{self.tensor_parallel_size} cannot use them yet"),
             (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
              f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}"),
             (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,

@@ -256,7 +256,7 @@ def test_keyspace_changes_with_every_field():
     base = KeySpace("w", "torch.float32", "cpu", 16, 2, 2, 16)
     variants = [KeySpace("v", "torch.float32", "cpu", 16, 2, 2, 16), KeySpace("w", "torch.bfloat16", "cpu", 16, 2, 2, 16),
                 KeySpace("w", "torch.float32", "cuda", 16, 2, 2, 16), KeySpace("w", "torch.float32", "cpu", 32, 2, 2, 16),
-                KeySpace("w", "torch.float32", "cpu", 16, 2, 2, 16, tp_rank=1, tp_size=2),
+                KeySpace("w", "torch.float32", "cpu", 16, 2, 2, 16, tp_size=2),
                 KeySpace("w", "torch.float32", "cpu", 16, 2, 2, 16, format_version=2)]
     assert len({base.fingerprint, *(v.fingerprint for v in variants)}) == 1 + len(variants)
 

@@ -3,7 +3,7 @@
 Greedy outputs at tensor_parallel_size=2 equal HF transformers' generate (and so the
 one-rank engine's, which test_engine_equivalence holds to the same reference), with
 prefix caching, chunked prefill, both preemption modes, copy-on-write forks, prompt
-logprobs, asynchronous scheduling and speculative decoding; sizes that cannot be split are refused before any
+logprobs, asynchronous scheduling, speculative decoding and the KV tiers; sizes that cannot be split are refused before any
 worker starts; a worker that dies stops the engine with an error naming it; torchrun
 can start the ranks.
 """
@@ -93,6 +93,34 @@ def test_two_ranks_with_speculative_decoding_match_hf(llama):
         assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_two_ranks_through_the_host_and_disk_tiers_match_hf_after_a_restart(llama, tmp_path):
+    """Rank 0's tiers hold whole blocks (every rank's heads, gathered as blocks complete, each
+    rank's heads broadcast back on a load): blocks the pool let go come back from host memory,
+    a restarted pair of ranks reads the disk tier, and greedy output stays HF's. One rank on the
+    same directory misses: the tensor-parallel size is in the key."""
+    path, prompts, expected = llama
+    tiers = {"max_model_len": 128, "block_size": 8, "num_gpu_blocks_override": 16, "kv_disk_path": str(tmp_path)}
+    llm = LLM(path, tensor_parallel_size=2, kv_offloading_size=0.01, **tiers, **CPU)
+    try:
+        assert generate(llm, prompts) == expected
+        assert generate(llm, prompts[::-1])[::-1] == expected  # the last prompts' blocks went first
+        hits = llm.stats()["kv_tiers"]["hit_tokens"]
+        assert hits.get("host", 0) >= 64, hits
+        llm.llm_engine.flush_tiers()
+    finally:
+        llm.llm_engine.shutdown()
+    restarted = LLM(path, tensor_parallel_size=2, **tiers, **CPU)
+    try:
+        outs = restarted.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert outs[-1].num_tier_hit_tokens.get("disk", 0) >= 64
+    finally:
+        restarted.llm_engine.shutdown()
+    one_rank = LLM(path, **tiers, **CPU)
+    out = one_rank.generate({"prompt_token_ids": prompts[-1]}, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[-1] and out.num_tier_hit_tokens == {}
 
 
 def test_sizes_that_do_not_divide_the_heads_are_refused_before_workers_start(llama):

@@ -58,13 +58,14 @@ class TensorParallelGroup:
             torch.distributed.all_reduce(x, group=self.device_group)
         return x
 
-    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, C] on every rank -> [N, size * C], rank r's columns at r * C."""
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``x`` (same shape everywhere) joined along ``dim``, rank r's part r-th:
+        [..., C, ...] -> [..., size * C, ...]."""
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
         torch.distributed.all_gather(parts, x.contiguous(), group=self.device_group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=dim)
 
     def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``x`` on every rank, in place (same shape and dtype everywhere)."""
@@ -88,6 +89,18 @@ class TensorParallelGroup:
             payload = torch.empty(int(length), dtype=torch.uint8)
         self._control(torch.distributed.broadcast, payload, src=0)
         return obj if self.is_driver else pickle.loads(payload.numpy().tobytes())
+
+    def all_gather_object(self, obj: object) -> list:
+        """Every rank's ``obj`` (any picklable value), in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        gathered: list = [None] * self.size
+        try:
+            torch.distributed.all_gather_object(gathered, obj, group=self.control_group)
+        except RuntimeError as error:
+            self.check_peers()
+            raise TensorParallelFailure(f"tensor-parallel rank {self.rank} lost its peers: {error}") from error
+        return gathered
 
     def agree_min(self, value: int) -> int:
         """The smallest ``value`` any rank holds (e.g. the KV blocks every device can fit)."""

@@ -3,8 +3,8 @@ rank 0 (pagedrag.distributed.launch) with (rank, size, port, EngineArgs) pickled
 standard input.
 
 It builds what rank 0 builds on the device side (its share of the model, a KV pool of the
-same number of blocks, CUDA graphs), then runs every step plan rank 0 broadcasts until the
-None plan. Any error ends the process with a traceback and a non-zero code; rank 0 then
+same number of blocks, CUDA graphs), then follows every order rank 0 broadcasts (a step plan,
+or a gather of blocks for the KV tiers) until the None order. Any error ends the process with a traceback and a non-zero code; rank 0 then
 stops with TensorParallelFailure naming this rank (the ranks cannot resynchronize).
 """
 
@@ -21,12 +21,12 @@ from pagedrag.distributed.group import TensorParallelGroup
 
 
 def serve(args, group: TensorParallelGroup) -> None:
-    """Build this rank's device side, then follow rank 0's plans until it stops."""
+    """Build this rank's device side, then follow rank 0's orders until it stops."""
     from pagedrag.worker.device_side import build_device_side
 
     runner = build_device_side(args, group).runner
-    while (plan := group.broadcast_object()) is not None:
-        runner.follow(plan)
+    while (orders := group.broadcast_object()) is not None:
+        runner.follow(orders)
 
 
 def main() -> None:

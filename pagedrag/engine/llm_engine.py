@@ -79,7 +79,7 @@ class LLMEngine:
         num_cpu_blocks = side.num_cpu_blocks
         chunk_reuse = ((args.chunk_recompute_fraction, self.model_name, args.chunk_recompute_window)
                        if args.enable_chunk_reuse else None)
-        self.tiers = build_tiers(args, loaded.module, self.shape, self.device)
+        self.tiers = build_tiers(args, side.weights, self.shape, self.device)
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks,
                                  chunk_reuse, self.tiers)
         speculative = args.speculative()
@@ -257,7 +257,7 @@ class LLMEngine:
             self.tiers.stats.moved("host_to_device", sum(kv.numel() * kv.element_size() for _, kv in step.tier_loads), 0.0)
         blocks = self.kv.pool.take_newly_cached()
         if blocks:
-            kv, ready = self.runner.cache.gather_blocks([block_id for block_id, _, _ in blocks])
+            kv, ready = self.runner.gather_for_tiers([block_id for block_id, _, _ in blocks])
             self.tiers.write([(block_hash, token_ids, self.kv.computed_after(block_hash))
                               for _, block_hash, token_ids in blocks], kv, ready)
         if not step.scheduled and self.kv.tier_loads.num_loading:

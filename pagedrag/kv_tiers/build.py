@@ -1,13 +1,16 @@
 """The engine's KV tiers from its arguments: a host tier (kv_offloading_size), a disk tier
-(kv_disk_path, kv_disk_size), both keyed within the keyspace of the loaded model."""
+(kv_disk_path, kv_disk_size), both keyed within the keyspace of the loaded model. Under tensor
+parallelism the tiers are rank 0's and hold whole blocks (every rank's KV heads)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import torch
 
 from pagedrag.config import GIB_BYTES, EngineArgs
+from pagedrag.distributed.group import TensorParallelGroup
 from pagedrag.kv_tiers.cost_model import TierCostModel
 from pagedrag.kv_tiers.disk_store import DiskStore
 from pagedrag.kv_tiers.host_store import HostStore
@@ -17,12 +20,14 @@ from pagedrag.kv_tiers.tiers import KVTiers
 logger = logging.getLogger("pagedrag")
 
 
-def build_tiers(args: EngineArgs, model: torch.nn.Module, shape, device: torch.device) -> KVTiers | None:
-    """None when no tier is asked for. ``shape``: the pool's worker.kv_cache.CacheShape."""
+def build_tiers(args: EngineArgs, weights: str, shape, device: torch.device) -> KVTiers | None:
+    """None when no tier is asked for. ``weights``: the fingerprint of every rank's weights
+    (``model_fingerprint``); ``shape``: this rank's worker.kv_cache.CacheShape."""
     if not args.uses_kv_tiers:
         return None
-    keyspace = KeySpace(weights_fingerprint(model), str(shape.dtype), device.type, shape.block_size,
-                        shape.num_layers, shape.num_kv_heads, shape.head_dim).fingerprint
+    tp_size = args.tensor_parallel_size
+    keyspace = KeySpace(weights, str(shape.dtype), device.type, shape.block_size, shape.num_layers,
+                        shape.num_kv_heads * tp_size, shape.head_dim, tp_size).fingerprint
     stores = []
     if args.kv_offloading_size:
         stores.append(HostStore(args.kv_offloading_size * GIB_BYTES, pin_memory=device.type == "cuda"))
@@ -32,3 +37,11 @@ def build_tiers(args: EngineArgs, model: torch.nn.Module, shape, device: torch.d
         logger.info("kv %s tier: %.2f GiB%s (keyspace %s)", store.name, store.capacity_bytes / GIB_BYTES,
                     f" at {args.kv_disk_path}" if isinstance(store, DiskStore) else "", keyspace[:16])
     return KVTiers(stores, keyspace, TierCostModel(shape.block_size))
+
+
+def model_fingerprint(module: torch.nn.Module, group: TensorParallelGroup) -> str:
+    """The weights' fingerprint over every rank's shard (a collective: every rank calls it)."""
+    shards = group.all_gather_object(weights_fingerprint(module))
+    if len(shards) == 1:
+        return shards[0]
+    return hashlib.sha256("|".join(shards).encode()).hexdigest()

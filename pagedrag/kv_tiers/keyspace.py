@@ -2,8 +2,10 @@
 
 A block hash (core.block_hash) names the tokens (and the tenant's salt) a block holds. The
 values in it also depend on the weights, the dtype, the block size, the KV layout, the
-device's kernels and this rank's share of the KV heads. ``KeySpace`` digests all of them into
-one fingerprint; a stored block's key is ``block_key(keyspace, block_hash)``.
+device's kernels and the tensor-parallel size (the order of its all-reduces' sums). A stored
+block holds every rank's KV heads (under tensor parallelism rank 0 gathers them), so no rank
+holds a part of a block another rank lacks. ``KeySpace`` digests all of them into one
+fingerprint; a stored block's key is ``block_key(keyspace, block_hash)``.
 
 Invariant: two engines give a block the same key only when every input its values depend
 on is the same, so a changed checkpoint under the same model name misses (SGLang issue 24758)
@@ -26,14 +28,13 @@ _CHECKSUM_CHUNK = 1 << 24  # elements a checksum step reads at once (bounded ext
 class KeySpace:
     """Everything a block's KV values depend on except its tokens."""
 
-    weights: str  # weights_fingerprint of the loaded model
+    weights: str  # weights_fingerprint of the loaded model (every rank's shard)
     dtype: str
     device_type: str  # cpu or cuda: kernels differ, and so do the last bits of the values
     block_size: int
     num_layers: int
-    num_kv_heads: int  # this rank's
+    num_kv_heads: int  # every rank's: a stored block is whole
     head_dim: int
-    tp_rank: int = 0
     tp_size: int = 1
     format_version: int = FORMAT_VERSION
 

@@ -112,7 +112,7 @@ def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, op
     """float32 logits [N, vocab_size] from this rank's vocabulary rows ``weight``: every rank's
     slice gathered, the padding rows dropped."""
     logits = ops.linear(hidden, weight).float()
-    return group.all_gather_columns(logits)[:, :vocab_size]
+    return group.all_gather(logits, dim=-1)[:, :vocab_size]
 
 
 def load_weight(module: nn.Module, leaf: str, view: torch.Tensor, full: torch.Tensor,

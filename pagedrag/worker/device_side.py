@@ -16,6 +16,7 @@ from pagedrag import kernels
 from pagedrag.config import DEFAULT_CPU_KV_FRACTION, GIB_BYTES, EngineArgs
 from pagedrag.core.block_pool import blocks_for
 from pagedrag.distributed.group import SINGLE, TensorParallelGroup
+from pagedrag.kv_tiers.build import model_fingerprint
 from pagedrag.models.loader import LoadedModel, load_model
 from pagedrag.worker.cpu_threads import configure_cpu_threads
 from pagedrag.worker.cuda_graphs import GraphShape, verification_shapes
@@ -27,6 +28,7 @@ from pagedrag.worker.model_runner import ModelRunner
 class DeviceSide:
     loaded: LoadedModel
     shape: CacheShape  # this rank's: its share of the KV heads
+    weights: str  # the fingerprint of every rank's weights (KV tiers' keyspace); "" without tiers
     num_blocks: int
     num_cpu_blocks: int
     runner: ModelRunner
@@ -51,17 +53,18 @@ def build_device_side(args: EngineArgs, group: TensorParallelGroup = SINGLE) -> 
                         max_model_len=args.max_model_len, source=args.model_source(),
                         quantization=args.quantization, group=group)
     module = loaded.module
+    weights = model_fingerprint(module, group) if args.uses_kv_tiers else ""
     shape = CacheShape(module.num_layers, args.block_size, module.num_kv_heads, module.head_dim, dtype)
     num_blocks = group.agree_min(_pool_blocks(args, shape, device, group.size))
     _check_fits(args, num_blocks, loaded.max_model_len)
     num_cpu_blocks = shape.blocks_in(args.swap_space * GIB_BYTES) if args.preemption_mode == "swap" else 0
-    cache = KVCacheTensors(shape, num_blocks, num_cpu_blocks, device, kernels.ops_for(device))
+    cache = KVCacheTensors(shape, num_blocks, num_cpu_blocks, device, kernels.ops_for(device), group)
     eos_token_id = loaded.tokenizer.eos_token_id if loaded.tokenizer is not None else None
     runner = ModelRunner(module, cache, args.block_size, device, eos_token_id, args.chunk_recompute_strategy,
                          group, threads)
     if device.type == "cuda" and not args.enforce_eager:
         runner.capture_graphs(args.max_num_seqs, loaded.max_model_len, _verification_graphs(args))
-    return DeviceSide(loaded, shape, num_blocks, num_cpu_blocks, runner)
+    return DeviceSide(loaded, shape, weights, num_blocks, num_cpu_blocks, runner)
 
 
 def _verification_graphs(args: EngineArgs) -> list[GraphShape]:

@@ -13,6 +13,7 @@ import torch
 from pagedrag.config import GIB_BYTES
 from pagedrag.core.block_pool import blocks_for
 from pagedrag.core.kv_cache_manager import SwapPlan
+from pagedrag.distributed.group import SINGLE, TensorParallelGroup
 from pagedrag.worker.transfer import device_to_host, host_to_device
 
 logger = logging.getLogger("pagedrag")
@@ -50,43 +51,62 @@ def _layers(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
 class KVCacheTensors:
     """The paged cache on the device plus the CPU swap space. ``device_pool`` holds every
     layer's K and V in one tensor (so a move across all layers is one indexing op);
-    ``device_layers`` are its per-layer (K, V) views, which the model and kernels take."""
+    ``device_layers`` are its per-layer (K, V) views, which the model and kernels take.
+
+    Whole blocks (the KV tiers' unit) hold every tensor-parallel rank's KV heads, rank r's
+    at heads [r * kv_heads, (r + 1) * kv_heads): ``gather_blocks`` and ``load_blocks`` are
+    collectives every rank calls, rank 0 holding the whole blocks on the host."""
 
     def __init__(self, shape: CacheShape, num_blocks: int, num_cpu_blocks: int,
-                 device: torch.device, ops: ModuleType):
+                 device: torch.device, ops: ModuleType, group: TensorParallelGroup = SINGLE):
         self.shape = shape
         self.ops = ops
+        self.group = group
         self.device_pool = _allocate(shape, num_blocks, device)
         self.device_layers = _layers(self.device_pool)
         pin = device.type == "cuda"
         self.cpu_layers = _layers(_allocate(shape, num_cpu_blocks, torch.device("cpu"), pin))
 
-    def gather_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start copying blocks to the host, each block's layers contiguous: (a host tensor
-        [n, layers, 2, block_size, kv_heads, head_dim], an event to wait on before reading it).
-        On CUDA the gather runs on the device and crosses in one copy (the KV tiers' writes:
-        one large transfer moves ~30x faster than one per layer and block)."""
+    def gather_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
+        """Start copying whole blocks to rank 0's host, each block's layers contiguous: (a host
+        tensor [n, layers, 2, block_size, every rank's kv_heads, head_dim], an event to wait on
+        before reading it); (None, None) on the other ranks. On CUDA the gather runs on the
+        device and crosses in one copy (the KV tiers' writes: one large transfer moves ~30x
+        faster than one per layer and block)."""
         ids = host_to_device(block_ids, torch.int64, self.device_pool.device)
         gathered = self.device_pool.index_select(2, ids).permute(2, 0, 1, 3, 4, 5).contiguous()
-        return device_to_host(gathered)
+        whole = self.group.all_gather(gathered, dim=4)
+        return device_to_host(whole) if self.group.is_driver else (None, None)
 
-    def load_blocks(self, loads: list[tuple[int, torch.Tensor]]) -> None:
-        """Write blocks' K/V (host tensors [layers, 2, block_size, kv_heads, head_dim], pinned on
-        CUDA) into the pool: each block crosses whole (all its layers in one copy, on a stream of
-        its own on CUDA, so the copies overlap the work already queued), then one scatter on the
-        device puts them in place before the next forward pass."""
+    def load_blocks(self, loads: list[tuple[int, torch.Tensor | None]]) -> None:
+        """Write whole blocks' K/V (rank 0's host tensors [layers, 2, block_size, every rank's
+        kv_heads, head_dim], pinned on CUDA; None on the other ranks) into the pool: each block
+        crosses whole (all its layers in one copy, on a stream of its own on CUDA, so the copies
+        overlap the work already queued), rank 0 broadcasts them to the other ranks, and one
+        scatter on the device puts this rank's heads in place before the next forward pass."""
         if not loads:
             return
         device = self.device_pool.device
         ids = host_to_device([block_id for block_id, _ in loads], torch.int64, device)
-        staging = torch.empty((len(loads), *loads[0][1].shape), dtype=self.shape.dtype, device=device)
+        heads = self.shape.num_kv_heads
+        whole = (self.shape.num_layers, 2, self.shape.block_size, heads * self.group.size, self.shape.head_dim)
+        staging = torch.empty((len(loads), *whole), dtype=self.shape.dtype, device=device)
+        if self.group.is_driver:
+            self._stage(staging, [kv for _, kv in loads])
+        self.group.broadcast_tensor(staging)
+        own = staging.narrow(4, self.group.rank * heads, heads)
+        self.device_pool.index_copy_(2, ids, own.permute(1, 2, 0, 3, 4, 5))
+
+    @staticmethod
+    def _stage(staging: torch.Tensor, blocks: list[torch.Tensor]) -> None:
+        """Copy host blocks into the device tensor ``staging``, row by row (a side stream on CUDA)."""
+        device = staging.device
         with _copy_stream(device) as stream:
-            for row, (_, kv) in zip(staging, loads):
+            for row, kv in zip(staging, blocks):
                 row.copy_(kv, non_blocking=True)
         if stream is not None:
             torch.cuda.current_stream(device).wait_stream(stream)
             staging.record_stream(torch.cuda.current_stream(device))
-        self.device_pool.index_copy_(2, ids, staging.permute(1, 2, 0, 3, 4, 5))
 
     def apply(self, copies: list[tuple[int, int]], swaps: SwapPlan) -> None:
         """Run a step's block moves: swap-outs, then swap-ins, then copy-on-write copies."""

@@ -26,7 +26,7 @@ waiting (``InflightTokens``).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -87,6 +87,19 @@ class DevicePlan:
     moves: BlockMoves
     layout: StepLayout | None
     exports: list[KVMove]
+
+    def for_workers(self) -> DevicePlan:
+        """The plan the other ranks are sent: the tier loads' K/V stay behind (rank 0
+        broadcasts them on the device group as the loads run: kv_cache.load_blocks)."""
+        loads = [(block_id, None) for block_id, _ in self.moves.tier_loads]
+        return replace(self, moves=replace(self.moves, tier_loads=loads))
+
+
+@dataclass(slots=True)
+class TierGather:
+    """Rank 0 asks every rank for its KV heads of these pool blocks (the KV tiers' writes)."""
+
+    block_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -300,33 +313,50 @@ class ModelRunner:
         (asynchronous scheduling)."""
         moves = BlockMoves(step.block_copies, step.swaps, [m for item in step.scheduled for m in item.imports],
                            step.tier_loads)
-        self.move_in(moves)
+        if self.group.size == 1:
+            self.move_in(moves)  # before the layout: the deviation probe (one rank only) reads the imports
         layout, wanted = None, []
         if step.scheduled:
-            self._pick_recomputed(step)  # after the imports: the deviation probe reads them
+            self._pick_recomputed(step)
             layout, wanted = self.layout(step, inflight)
         plan = DevicePlan(moves, layout, [m for item in step.scheduled for m in item.exports])
         if self.group.size == 1:
             sampling, prompt_logits = self.run(plan, inflight)
         else:
-            self.group.broadcast_object(plan)
-            sampling, prompt_logits = self._run_in_step(plan, inflight)
+            self.group.broadcast_object(plan.for_workers())
+            sampling, prompt_logits = self._in_step(lambda: self._move_in_and_run(plan, inflight))
         prompt = [] if not wanted else prompt_samples(prompt_logits, wanted)
         return StepLogits(sampling, [(e.request, e.first_token, s) for e, s in zip(wanted, prompt)])
 
-    def _run_in_step(self, plan: DevicePlan, inflight: InflightTokens | None):
-        """``run`` once the other ranks have the plan: any error leaves them mid-step."""
+    def _move_in_and_run(self, plan: DevicePlan, inflight: InflightTokens | None = None):
+        self.move_in(plan.moves)
+        return self.run(plan, inflight)
+
+    @staticmethod
+    def _in_step(work):
+        """``work()`` once the other ranks have rank 0's orders: any error leaves them mid-step."""
         try:
-            return self.run(plan, inflight)
+            return work()
         except Exception as error:
             raise TensorParallelFailure(f"a step failed on rank 0 after its plan reached the other "
                                         f"ranks, which can no longer follow: {error!r}") from error
 
     @torch.inference_mode()
-    def follow(self, plan: DevicePlan) -> None:
-        """A tensor-parallel worker's step: rank 0's plan on this rank's shard."""
-        self.move_in(plan.moves)
-        self.run(plan)
+    def gather_for_tiers(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Rank 0: start copying whole pool blocks to the host for the KV tiers
+        (kv_cache.gather_blocks), the other ranks sending their heads."""
+        if self.group.size == 1:
+            return self.cache.gather_blocks(block_ids)
+        self.group.broadcast_object(TierGather(block_ids))
+        return self._in_step(lambda: self.cache.gather_blocks(block_ids))
+
+    @torch.inference_mode()
+    def follow(self, orders: DevicePlan | TierGather) -> None:
+        """A tensor-parallel worker's part in rank 0's step plan or tier gather, on its shard."""
+        if isinstance(orders, TierGather):
+            self.cache.gather_blocks(orders.block_ids)
+        else:
+            self._move_in_and_run(orders)
 
     def move_in(self, moves: BlockMoves) -> None:
         """KV-tier loads, swaps, copy-on-write copies and chunk imports, before the forward pass."""

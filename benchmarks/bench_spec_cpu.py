@@ -2,7 +2,7 @@
 without drafting from the context, side by side in one run.
 
     nice -n 10 python benchmarks/bench_spec_cpu.py [--prompts 5] [--max-tokens 128] [--quantization gguf]
-    nice -n 10 python benchmarks/bench_spec_cpu.py --concurrency 1 2 4 8 [--max-tokens 64]
+    nice -n 10 python benchmarks/bench_spec_cpu.py --concurrency 1 2 4 8 [--max-tokens 64] [--workload "pydoc stream"]
 
 Four workloads: "rag", the RAG prompts of pagedrag.entrypoints.bench (a system prompt, 3-5
 standard-library docstring chunks, a question about one of them; 600-800 tokens), whose
@@ -26,9 +26,11 @@ to 5 tokens, 8 drafted), the comparison issue 27 asks for. Its agreement column 
 pagedrag's answer without speculation (other kernels: near-ties may go the other way).
 
 ``--concurrency``: where drafting stops paying (``disable_by_batch_size``). For each
-concurrency N, N RAG prompts go into one ``generate`` on each engine (drafting forced on at
-every batch size), twice with new prompts each time, engines interleaved; the figure is the
-better pass's output tokens over wall time.
+concurrency N, N prompts of ``--workload`` (default "rag") go into one ``generate`` on each engine (drafting forced on at
+every batch size), twice with new prompts each time, engines interleaved; the figures are the
+better pass's output tokens over wall time (prefill included) and its decode rate (tokens
+after each request's first, over the time from the batch's first first token to its last
+finish).
 """
 
 from __future__ import annotations
@@ -126,21 +128,22 @@ def _acceptance(before: dict, after: dict, tokens: int) -> tuple[float, float] |
     return tokens / (tokens - accepted), (1 + accepted / drafts if drafts else 0.0)
 
 
-def concurrency_sweep(levels: list[int], max_tokens: int, quantization: str | None) -> None:
-    """Output tokens/s of N RAG requests at once, with and without drafting, for each N."""
+def concurrency_sweep(levels: list[int], max_tokens: int, quantization: str | None, workload: str) -> None:
+    """Output tokens/s of N requests of ``workload`` at once, with and without drafting, for each N."""
     always = {name: None if config is None else {**config, "disable_by_batch_size": max(levels)}
               for name, config in CONFIGS.items()}
     engines = {name: LLM(speculative_config=config, quantization=quantization, max_model_len=2048,
                          kv_cache_memory_bytes=512 << 20) for name, config in always.items()}
     # Each pass its own prompts: suffix's global index would otherwise replay the last pass's answers.
-    prompts = workloads(engines["off"].get_tokenizer(), 2 * sum(levels))["rag"]
+    prompts = workloads(engines["off"].get_tokenizer(), 2 * sum(levels), streams=workload != "rag")[workload]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for llm in engines.values():
         llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
     unused = iter(prompts[1:])
-    print("| concurrent requests | " + " | ".join(f"{name} tok/s" for name in engines) + " | "
-          + " | ".join(f"{name} vs off" for name in engines if name != "off") + " |")
-    print("|---" * (2 * len(engines)) + "|")
+    drafting = [name for name in engines if name != "off"]
+    print("| concurrent requests | " + " | ".join(f"{name} tok/s, wall / decode" for name in engines) + " | "
+          + " | ".join(f"{name} vs off, wall / decode" for name in drafting) + " |")
+    print("|---" * (1 + len(engines) + len(drafting)) + "|")
     for level in levels:
         rates = {name: [] for name in engines}
         for _ in range(2):
@@ -148,11 +151,20 @@ def concurrency_sweep(levels: list[int], max_tokens: int, quantization: str | No
             for name, llm in engines.items():
                 started = time.perf_counter()
                 outputs = llm.generate(batch, params, use_tqdm=False)
-                tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-                rates[name].append(tokens / (time.perf_counter() - started))
-        best = {name: max(values) for name, values in rates.items()}
-        print(f"| {level} | " + " | ".join(f"{best[name]:.1f}" for name in engines) + " | "
-              + " | ".join(f"{best[name] / best['off']:.2f}x" for name in engines if name != "off") + " |")
+                wall = time.perf_counter() - started
+                rates[name].append((sum(len(o.outputs[0].token_ids) for o in outputs) / wall, batch_decode_rate(outputs)))
+        best = {name: tuple(max(rate[i] for rate in values) for i in (0, 1)) for name, values in rates.items()}
+        print(f"| {level} | " + " | ".join(f"{best[name][0]:.1f} / {best[name][1]:.1f}" for name in engines) + " | "
+              + " | ".join(f"{best[name][0] / best['off'][0]:.2f}x / {best[name][1] / best['off'][1]:.2f}x"
+                           for name in drafting) + " |")
+
+
+def batch_decode_rate(outputs) -> float:
+    """Tokens after each request's first over the time from the batch's first first token to its
+    last finish: the decode phase of requests run at once (the prompts' prefill left out)."""
+    start = min(o.metrics.first_token_time for o in outputs)
+    end = max(o.metrics.finished_time for o in outputs)
+    return sum(len(o.outputs[0].token_ids) - 1 for o in outputs) / (end - start)
 
 
 def main() -> None:
@@ -161,9 +173,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--concurrency", type=int, nargs="+", help="sweep these numbers of concurrent requests")
+    parser.add_argument("--workload", default="rag", choices=("rag", "pydoc stream", "stdlib stream"),
+                        help="the prompts of the concurrency sweep")
     args = parser.parse_args()
     if args.concurrency:
-        concurrency_sweep(args.concurrency, args.max_tokens, args.quantization)
+        concurrency_sweep(args.concurrency, args.max_tokens, args.quantization, args.workload)
         return
     engines = {name: LLM(speculative_config=config, quantization=args.quantization, max_model_len=2048,
                          kv_cache_memory_bytes=256 << 20) for name, config in CONFIGS.items()}

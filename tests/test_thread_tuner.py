@@ -59,6 +59,19 @@ def test_probes_that_keep_losing_become_rare(monkeypatch):
     assert tuner.choice(1) == 2
 
 
+def test_a_probe_that_loses_a_little_costs_one_step_not_three(monkeypatch):
+    """A busy machine's prefill: two threads lose by 15% (not clearly). Once one thread took
+    over (after the start at all cores and its probe), each probe of two threads ends at its
+    first losing step: two of the next 12 steps run at two threads (six when a probe ran its
+    three steps)."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    machine = FakeMachine({1: 0.40, 2: 0.46})
+    tuner = ThreadTuner(2, clock=machine.clock)
+    machine.run(tuner, 16, num_tokens=1024)
+    assert tuner.choice(1024) == 1
+    assert machine.threads_used[:4] == [2, 1, 1, 1] and machine.threads_used[4:].count(2) == 2
+
+
 def test_step_sizes_are_tuned_apart(monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     machine = FakeMachine({})

@@ -16,10 +16,11 @@ Invariants:
 - A probe runs up to ``PROBE_STEPS`` steps of the bucket at a neighbouring thread count. The
   neighbour becomes current when their median time per token beats the current count's recent
   median by ``SWITCH_MARGIN``; if it does not, the next probe waits twice as long. A probe step
-  ``CLEAR_LOSS`` times slower than the current count ends the probe at once, and the next waits
-  ``LOSING_GROWTH`` times as long, or as many times longer as that step was slower (at most
-  ``MAX_PROBE_INTERVAL`` steps): probes that keep losing cost about 1% of the steps once the
-  engine has run a few hundred. A step at the current count ``SLOWDOWN`` times slower than its
+  no faster than the current count ends the probe at once (one losing step, not three: a
+  long step, such as a prefill, makes each one dear), and the next waits twice as long; one
+  ``CLEAR_LOSS`` times slower waits ``LOSING_GROWTH`` times as long, or as many times longer as
+  that step was slower (at most ``MAX_PROBE_INTERVAL`` steps): probes that keep losing cost
+  about 1% of the steps once the engine has run a few hundred. A step at the current count ``SLOWDOWN`` times slower than its
   recent ones (another process took a core) brings the next probe close again.
 - Only the step's model work is timed (forward pass, chunk exports, logits); CPU compute is
   synchronous, so that time is the step's work, including any wait for a core held by
@@ -139,6 +140,8 @@ class ThreadTuner:
         if seconds_per_token >= CLEAR_LOSS * current:  # clearly losing: stop now, wait longer next time
             growth = max(LOSING_GROWTH, round(seconds_per_token / current))
             bucket.probe_interval = min(growth * bucket.probe_interval, MAX_PROBE_INTERVAL)
+        elif seconds_per_token >= current:  # no faster: stop now, wait twice as long
+            bucket.probe_interval = min(2 * bucket.probe_interval, MAX_PROBE_INTERVAL)
         else:
             bucket.probe_times.append(seconds_per_token)
             if len(bucket.probe_times) < PROBE_STEPS:

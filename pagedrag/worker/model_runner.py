@@ -338,7 +338,7 @@ class ModelRunner:
         try:
             return work()
         except Exception as error:
-            raise TensorParallelFailure(f"a step failed on rank 0 after its plan reached the other "
+            raise TensorParallelFailure(f"a step failed on rank 0 after its orders reached the other "
                                         f"ranks, which can no longer follow: {error!r}") from error
 
     @torch.inference_mode()

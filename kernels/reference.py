@@ -44,7 +44,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     query [B, heads, head_dim]; block_tables [B, max_blocks] (int32, padded with
     any valid block id); context_lens [B] (int32, >= 1, the current token included).
     Returns [B, heads, head_dim]. Sequence by sequence through torch's fused CPU
-    attention (SDPA, GQA without repeating K/V), in float32 for lower-precision caches.
+    attention (SDPA, GQA without repeating K/V), in float32 for lower-precision caches
+    (float64, the kernel tests' ground truth, stays float64).
     A context whose block ids run consecutively (the common case: a request's blocks
     mostly come in a few such runs) is one view of the cache, read in place; otherwise
     its runs are joined. On a 2-core EPYC (SmolLM2's heads, 150 cached tokens) this took
@@ -52,16 +53,15 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     step is mostly such per-op costs.
     """
     out = torch.empty_like(query)
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     block_size = k_cache.shape[1]
     num_heads, head_dim = query.shape[1], query.shape[2]
     for b, length in enumerate(context_lens.tolist()):
         table = block_tables[b, :-(-length // block_size)].tolist()
         runs = _block_runs(table, block_size, length)
-        keys, values = (_context_rows(cache, runs).transpose(0, 1)[None] for cache in (k_cache, v_cache))
-        if keys.dtype != torch.float32:
-            keys, values = keys.float(), values.float()
+        keys, values = (_context_rows(cache, runs).transpose(0, 1)[None].to(dtype) for cache in (k_cache, v_cache))
         attended = F.scaled_dot_product_attention(
-            query[b].view(1, num_heads, 1, head_dim).float(), keys, values, scale=scale,
+            query[b].view(1, num_heads, 1, head_dim).to(dtype), keys, values, scale=scale,
             enable_gqa=num_heads != keys.shape[1])
         out[b] = attended.view(num_heads, head_dim)
     return out

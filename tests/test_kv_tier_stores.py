@@ -234,6 +234,55 @@ def test_host_store_keeps_its_capacity_least_recently_used_first():
     assert [store.contains(_key(s)) for s in range(4)] == [True, False, True, True]
 
 
+def test_blocks_put_one_after_another_cross_to_the_pool_as_one_copy():
+    from pagedrag.kernels import reference
+    from pagedrag.worker.kv_cache import CacheShape, KVCacheTensors
+    from pagedrag.worker.transfer import adjacent_runs
+
+    store = HostStore(8 * _block(0).num_bytes)
+    blocks = {seed: _block(seed) for seed in range(5)}
+    for seed, block in blocks.items():
+        store.put(_key(seed), block)
+    in_order = [store.get(_key(seed)).kv for seed in range(5)]
+    assert [(first, run.shape[0]) for first, run in adjacent_runs(in_order)] == [(0, 5)]
+    shuffled = [store.get(_key(seed)).kv for seed in (3, 4, 0, 1, 2)]
+    assert [(first, run.shape[0]) for first, run in adjacent_runs(shuffled)] == [(0, 2), (2, 3)]
+    layers, _, block_size, heads, head_dim = SHAPE
+    cache = KVCacheTensors(CacheShape(layers, block_size, heads, head_dim, torch.float32), 12, 0,
+                           torch.device("cpu"), reference)
+    pool_ids = [7, 2, 9, 3, 5]
+    cache.load_blocks(list(zip(pool_ids, shuffled)))
+    for pool_id, seed in zip(pool_ids, (3, 4, 0, 1, 2)):
+        assert torch.equal(cache.device_pool[:, :, pool_id], blocks[seed].kv)
+
+
+def test_a_slot_is_not_written_while_a_view_of_it_lives_nor_until_its_reads_are_done():
+    class Event:
+        fired = False
+
+        def query(self):
+            return self.fired
+
+    store = HostStore(2 * _block(0).num_bytes)
+    store.put(_key(0), _block(0))
+    store.put(_key(1), _block(1))
+    view = store.get(_key(0)).kv  # a load holds it: block 0's slot has a reader
+    store.put(_key(2), _block(2))  # evicts block 1, the least recently used
+    store.put(_key(3), _block(3))  # evicts block 0, whose slot waits for its reader, and block 2
+    assert torch.equal(view, _block(0).kv)
+    assert [store.contains(_key(s)) for s in range(4)] == [False, False, False, True]
+    del view
+    launched = Event()
+    store.release_reads(launched)  # the view is gone, but a copy launched before may still read it
+    store.put(_key(4), _block(4))  # so block 3 is evicted for the room
+    assert [store.contains(_key(s)) for s in (3, 4)] == [False, True]
+    launched.fired = True
+    store.put(_key(5), _block(5))  # now the slot is free: nothing is evicted
+    assert [store.contains(_key(s)) for s in (4, 5)] == [True, True]
+    assert torch.equal(store.get(_key(4)).kv, _block(4).kv) and torch.equal(store.get(_key(5)).kv, _block(5).kv)
+    assert store.used_bytes == store.capacity_bytes
+
+
 def test_weights_fingerprint_sees_one_changed_element_and_not_the_thread_count():
     model = torch.nn.Linear(64, 32)
     before = weights_fingerprint(model)

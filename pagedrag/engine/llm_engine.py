@@ -39,6 +39,7 @@ from pagedrag.worker.kv_cache import log_pool
 from pagedrag.worker.model_runner import InflightTokens, SamplingRow
 from pagedrag.worker.rejection_sampler import Verified, VerifyRow
 from pagedrag.worker.sampler import Sample
+from pagedrag.worker.transfer import queued_work_done
 
 logger = logging.getLogger("pagedrag")
 
@@ -255,6 +256,7 @@ class LLMEngine:
         self.tiers.cost.observe_prefill(step.num_tokens, seconds)
         if step.tier_loads:  # bytes only: the copy runs on the device, untimed here
             self.tiers.stats.moved("host_to_device", sum(kv.numel() * kv.element_size() for _, kv in step.tier_loads), 0.0)
+        self.tiers.release_reads(queued_work_done(self.device))
         blocks = self.kv.pool.take_newly_cached()
         if blocks:
             kv, ready = self.runner.gather_for_tiers([block_id for block_id, _, _ in blocks])

@@ -177,11 +177,17 @@ class KVTiers:
         for store in self.stores:
             start, num_bytes = time.perf_counter(), 0
             for (block_hash, token_ids, computed_after), block_kv in zip(entries, kv):
-                block = StoredBlock(tuple(token_ids), block_kv.clone(), computed_after)
+                block = StoredBlock(tuple(token_ids), block_kv, computed_after)  # stores copy what they keep
                 store.put(self.key(block_hash), block)
                 num_bytes += block.num_bytes
             if store is not self._host:
                 self.stats.moved(f"host_to_{store.name}", num_bytes, time.perf_counter() - start)
+
+    def release_reads(self, done) -> None:
+        """Blocks read from host memory whose views are gone are read by no device work after
+        ``done`` (an event, or None: none at all): see host_store.HostStore.release_reads."""
+        if self._host is not None:
+            self._host.release_reads(done)
 
     def written(self) -> Future:
         """A future that completes once every write handed over so far is in the tiers (the

@@ -14,7 +14,7 @@ from pagedrag.config import GIB_BYTES
 from pagedrag.core.block_pool import blocks_for
 from pagedrag.core.kv_cache_manager import SwapPlan
 from pagedrag.distributed.group import SINGLE, TensorParallelGroup
-from pagedrag.worker.transfer import device_to_host, host_to_device
+from pagedrag.worker.transfer import adjacent_runs, device_to_host, host_to_device
 
 logger = logging.getLogger("pagedrag")
 
@@ -99,11 +99,12 @@ class KVCacheTensors:
 
     @staticmethod
     def _stage(staging: torch.Tensor, blocks: list[torch.Tensor]) -> None:
-        """Copy host blocks into the device tensor ``staging``, row by row (a side stream on CUDA)."""
+        """Copy host blocks into the device tensor ``staging``, a copy for each run of blocks that
+        lie back to back in host memory (a side stream on CUDA)."""
         device = staging.device
         with _copy_stream(device) as stream:
-            for row, kv in zip(staging, blocks):
-                row.copy_(kv, non_blocking=True)
+            for first, run in adjacent_runs(blocks):
+                staging[first:first + run.shape[0]].copy_(run, non_blocking=True)
         if stream is not None:
             torch.cuda.current_stream(device).wait_stream(stream)
             staging.record_stream(torch.cuda.current_stream(device))

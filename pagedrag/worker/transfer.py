@@ -34,3 +34,44 @@ def device_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
+
+
+def queued_work_done(device: torch.device) -> torch.cuda.Event | None:
+    """An event that fires once the work queued on ``device``'s current stream so far is done;
+    None off CUDA, where work is done when its call returns."""
+    if device.type != "cuda":
+        return None
+    done = torch.cuda.Event()
+    done.record()
+    return done
+
+
+def adjacent_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    """(index of the first, one tensor [n, *shape] spanning them) for each run of equally shaped
+    contiguous tensors that lie back to back in one storage (the host KV tier's slabs), in order:
+    what crosses to the device in one copy instead of one per tensor."""
+    runs: list[tuple[int, torch.Tensor]] = []
+    start, first, count = 0, None, 0
+    for index, tensor in enumerate(tensors):
+        if first is not None and _follows(first, count, tensor):
+            count += 1
+            continue
+        if first is not None:
+            runs.append((start, _span(first, count)))
+        start, first, count = index, tensor, 1
+    if first is not None:
+        runs.append((start, _span(first, count)))
+    return runs
+
+
+def _follows(first: torch.Tensor, count: int, tensor: torch.Tensor) -> bool:
+    return (tensor.is_contiguous() and first.is_contiguous() and tensor.shape == first.shape
+            and tensor.dtype == first.dtype
+            and tensor.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and tensor.storage_offset() == first.storage_offset() + count * first.numel())
+
+
+def _span(first: torch.Tensor, count: int) -> torch.Tensor:
+    if count == 1:
+        return first[None]
+    return first.as_strided((count, *first.shape), (first.numel(), *first.stride()), first.storage_offset())

@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -42,6 +43,10 @@ class _Entry:
     token_ids: tuple[int, ...]
     slot: int
     computed_after: bytes
+
+
+def _view_died(view_slots: dict[weakref.ref, int], dead_views: deque[int], view: weakref.ref) -> None:
+    dead_views.append(view_slots.pop(view))
 
 
 class HostStore:
@@ -64,7 +69,10 @@ class HostStore:
         self._last_slot = -1  # the slot of the last put: the next one takes the slot after it if it can
         self._readers: dict[int, int] = {}  # slot -> views handed out and not yet released
         self._quarantined: set[int] = set()  # evicted slots that still have readers
+        self._view_slots: dict[weakref.ref, int] = {}  # the views handed out and alive
         self._dead_views: deque[int] = deque()  # slots of views that died since release_reads
+        # called on whichever thread drops a view's last reference (no reference to self: no cycle)
+        self._view_died = functools.partial(_view_died, self._view_slots, self._dead_views)
         self._draining: deque[tuple[object, list[int]]] = deque()  # (event, slots) in launch order
 
     @property
@@ -86,7 +94,7 @@ class HostStore:
             self._entries.move_to_end(key)
             self._readers[entry.slot] = self._readers.get(entry.slot, 0) + 1
         view = self._view(entry.slot)
-        weakref.finalize(view, self._dead_views.append, entry.slot)
+        self._view_slots[weakref.ref(view, self._view_died)] = entry.slot
         return StoredBlock(entry.token_ids, view, entry.computed_after)
 
     def release_reads(self, done) -> None:

@@ -116,10 +116,11 @@ class EngineReplica:
     def __init__(self, argv: list[str]):
         from pagedrag.entrypoints.async_engine import AsyncLLMEngine
         from pagedrag.server.app import build_app
-        from pagedrag.server.cli import engine_args_from, server_config_from
+        from pagedrag.server.cli import engine_args_from, freeze_startup_objects, server_config_from
 
         args = _parse(argv)
         self.engine = AsyncLLMEngine.from_engine_args(engine_args_from(args))
+        freeze_startup_objects()  # a replica's process keeps its engine to the end
         self.app = build_app(self.engine, server_config_from(args, self.engine.model_info.name))
         self.name = serve.get_replica_context().replica_id.unique_id
         threading.Thread(target=self._publish_metrics, daemon=True).start()

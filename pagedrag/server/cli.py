@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import logging
 import types
@@ -138,6 +139,17 @@ def server_config_from(args: argparse.Namespace, model_name: str):
                         trust_request_chat_template=args.trust_request_chat_template)
 
 
+def freeze_startup_objects() -> None:
+    """Collect garbage, then exempt every object alive now (the engine, the model's modules, the
+    libraries imported: ~400k objects with the embedded model) from the garbage collector's full
+    passes. Without this each full pass walks them all, every few thousand requests' worth of
+    allocations: 200 ms on a 2-core EPYC, a stall of the step loop and of every request in
+    flight. For a process that keeps its engine to the end (a server, a replica): frozen
+    objects that later become cyclic garbage are never collected."""
+    gc.collect()
+    gc.freeze()
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the engine (its log line gives the KV pool), serve until SIGTERM or SIGINT.
 
@@ -167,9 +179,11 @@ def run(args: argparse.Namespace) -> int:
                 args.shutdown_timeout)
     server = DrainingServer(build_app(engine, config), engine, args.shutdown_timeout,
                             host=args.host, port=args.port, log_level=args.log_level)
+    freeze_startup_objects()
     try:
         server.run()
     finally:
         with server.exiting():  # a signal while the engine stops exits at once
             engine.shutdown()
+        gc.unfreeze()  # the interpreter's last collection sees everything again
     return 0

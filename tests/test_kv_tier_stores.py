@@ -256,7 +256,7 @@ def test_blocks_put_one_after_another_cross_to_the_pool_as_one_copy():
         assert torch.equal(cache.device_pool[:, :, pool_id], blocks[seed].kv)
 
 
-def test_a_slot_is_not_written_while_a_view_of_it_lives_nor_until_its_reads_are_done():
+def test_a_block_with_readers_is_not_evicted_while_its_view_lives_nor_until_its_reads_are_done():
     class Event:
         fired = False
 
@@ -266,21 +266,33 @@ def test_a_slot_is_not_written_while_a_view_of_it_lives_nor_until_its_reads_are_
     store = HostStore(2 * _block(0).num_bytes)
     store.put(_key(0), _block(0))
     store.put(_key(1), _block(1))
-    view = store.get(_key(0)).kv  # a load holds it: block 0's slot has a reader
+    view = store.get(_key(0)).kv  # a load holds it: block 0 has a reader
     store.put(_key(2), _block(2))  # evicts block 1, the least recently used
-    store.put(_key(3), _block(3))  # evicts block 0, whose slot waits for its reader, and block 2
+    store.put(_key(3), _block(3))  # block 0 is now the least recently used, but read: block 2 goes
+    assert [store.contains(_key(s)) for s in range(4)] == [True, False, False, True]
     assert torch.equal(view, _block(0).kv)
-    assert [store.contains(_key(s)) for s in range(4)] == [False, False, False, True]
     del view
     launched = Event()
     store.release_reads(launched)  # the view is gone, but a copy launched before may still read it
-    store.put(_key(4), _block(4))  # so block 3 is evicted for the room
-    assert [store.contains(_key(s)) for s in (3, 4)] == [False, True]
+    store.put(_key(4), _block(4))
+    assert [store.contains(_key(s)) for s in (0, 3, 4)] == [True, False, True]
     launched.fired = True
-    store.put(_key(5), _block(5))  # now the slot is free: nothing is evicted
-    assert [store.contains(_key(s)) for s in (4, 5)] == [True, True]
+    store.put(_key(5), _block(5))  # now block 0 has no reader and goes
+    assert [store.contains(_key(s)) for s in (0, 4, 5)] == [False, True, True]
     assert torch.equal(store.get(_key(4)).kv, _block(4).kv) and torch.equal(store.get(_key(5)).kv, _block(5).kv)
     assert store.used_bytes == store.capacity_bytes
+
+
+def test_a_put_that_finds_every_block_read_drops_itself_and_evicts_nothing():
+    store = HostStore(2 * _block(0).num_bytes)
+    store.put(_key(0), _block(0))
+    store.put(_key(1), _block(1))
+    views = [store.get(_key(0)).kv, store.get(_key(1)).kv]
+    store.put(_key(2), _block(2))
+    assert [store.contains(_key(s)) for s in range(3)] == [True, True, False]
+    assert all(torch.equal(view, _block(seed).kv) for seed, view in enumerate(views))
+    store.put(_key(3), StoredBlock((1, 2), torch.zeros(3)))  # another shape: dropped, counted
+    assert not store.contains(_key(3)) and store.num_dropped == 1
 
 
 def test_weights_fingerprint_sees_one_changed_element_and_not_the_thread_count():

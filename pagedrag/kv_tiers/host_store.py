@@ -13,18 +13,23 @@ to back and cross to the device as one copy (worker.transfer.adjacent_runs; on t
 blocks of 2 MiB crossed at ~43 GB/s one by one where one 160 MiB copy ran at ~55).
 
 Invariants:
-- ``get`` hands out a view of the block's slot. The slot is not written again while any such
-  view is alive, nor after the last one died until the device work launched by then is done
-  (``release_reads``: the engine calls it after each step's launch with an event that fires
-  once that work is done; None where copies finish within the step, as on CPU). A copy that
-  reads a view therefore never sees another block's data, even when the block was evicted
-  meanwhile.
-- ``used_bytes <= capacity_bytes``; every block has the shape and dtype of the first one put.
+- ``get`` hands out a view of the block's slot, for reading only; a tensor made from it (a
+  slice, a span of adjacent blocks) must not outlive it. The block has readers, and is not
+  evicted, while any such view is alive and after the last one died until the device work
+  launched by then is done: the engine calls ``release_reads`` after each step's launch with
+  an event that fires once that work is done (None where copies finish within their call, as
+  on CPU). So a copy that reads a view never sees another block's data.
+- ``used_bytes <= capacity_bytes``. Pinned slabs come from torch's pinned-memory allocator,
+  which rounds each allocation up to a power of two: the memory held can exceed the capacity
+  by that rounding (under 256 MiB in all).
+- Every block has the shape and dtype of the first one put; another is dropped (counted in
+  ``num_dropped``), as is a put that finds every block with readers.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -33,6 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedrag.kv_tiers.store import HOST_TIER, StoredBlock
+
+logger = logging.getLogger("pagedrag")
 
 SLAB_BYTES = 256 << 20
 """The most host memory one slab takes (pinned memory is allocated in such pieces)."""
@@ -68,10 +75,9 @@ class HostStore:
         self._free: set[int] = set()
         self._last_slot = -1  # the slot of the last put: the next one takes the slot after it if it can
         self._readers: dict[int, int] = {}  # slot -> views handed out and not yet released
-        self._quarantined: set[int] = set()  # evicted slots that still have readers
         self._view_slots: dict[weakref.ref, int] = {}  # the views handed out and alive
         self._dead_views: deque[int] = deque()  # slots of views that died since release_reads
-        # called on whichever thread drops a view's last reference (no reference to self: no cycle)
+        # called on whichever thread drops a view's last reference; takes no lock, holds no self
         self._view_died = functools.partial(_view_died, self._view_slots, self._dead_views)
         self._draining: deque[tuple[object, list[int]]] = deque()  # (event, slots) in launch order
 
@@ -99,7 +105,7 @@ class HostStore:
 
     def release_reads(self, done) -> None:
         """The views that died so far are read by no device work launched after ``done`` (an
-        event with ``query()``; None: by none at all): their slots may be written once it fired."""
+        event with ``query()``; None: by none at all): their blocks lose those readers once it fired."""
         slots = []
         while self._dead_views:
             slots.append(self._dead_views.popleft())
@@ -108,14 +114,16 @@ class HostStore:
                 self._draining.append((done, slots))
 
     def put(self, key: bytes, block: StoredBlock) -> None:
-        """Keep a copy of ``block``; dropped when every slot has readers (a cache may drop anything)."""
+        """Keep a copy of ``block`` (a cache may drop anything: see the module's invariants)."""
         if not self.enabled or block.num_bytes > self.capacity_bytes:
             return
         with self._lock:
             if key in self._entries:  # a repeated put counts as a use
                 self._entries.move_to_end(key)
                 return
-        self._check_shape(block.kv)
+        if not self._fits(block.kv):
+            self.num_dropped += 1
+            return
         slot = self._take_slot()
         if slot is None:
             return
@@ -127,22 +135,22 @@ class HostStore:
             self._entries[key] = _Entry(block.token_ids, slot, block.computed_after)
 
     # ---- slots ---------------------------------------------------------------------------------
-    def _check_shape(self, kv: torch.Tensor) -> None:
+    def _fits(self, kv: torch.Tensor) -> bool:
+        """Whether ``kv`` has the shape and dtype of the store's slots (the first put's)."""
         with self._lock:
             if self._block_shape is None:
                 self._block_shape, self._dtype = kv.shape, kv.dtype
                 self._num_slots = self.capacity_bytes // self._slot_bytes
                 self._slots_per_slab = max(1, min(self._num_slots, SLAB_BYTES // self._slot_bytes))
-        if (kv.shape, kv.dtype) != (self._block_shape, self._dtype):
-            raise ValueError(f"the host tier holds blocks of shape {tuple(self._block_shape)} and dtype "
-                             f"{self._dtype}; got {tuple(kv.shape)} {kv.dtype}")
+        return (kv.shape, kv.dtype) == (self._block_shape, self._dtype)
 
     def _view(self, slot: int) -> torch.Tensor:
         return self._slabs[slot // self._slots_per_slab][slot % self._slots_per_slab]
 
     def _take_slot(self) -> int | None:
         """A slot to write: the one after the last put's if free, any free one, a new slab's first,
-        or one freed by evicting the least recently used blocks; None when all have readers."""
+        or the slot of the least recently used block without readers, evicted; None when every
+        block has readers."""
         with self._lock:
             slot = self._free_slot()
         if slot is None and self._grow():
@@ -150,9 +158,9 @@ class HostStore:
                 slot = self._free_slot()
         if slot is None:
             with self._lock:
-                while slot is None and self._entries:
-                    _, evicted = self._entries.popitem(last=False)
-                    self._release(evicted.slot)
+                victim = next((key for key, entry in self._entries.items() if entry.slot not in self._readers), None)
+                if victim is not None:
+                    self._free.add(self._entries.pop(victim).slot)
                     slot = self._free_slot()
         return slot
 
@@ -166,10 +174,6 @@ class HostStore:
         self._last_slot = slot
         return slot
 
-    def _release(self, slot: int) -> None:
-        """Under the lock: an evicted block's slot is free, or waits for its readers."""
-        (self._quarantined if self._readers.get(slot) else self._free).add(slot)
-
     def _reap(self) -> None:
         """Under the lock: the readers whose device work is done are gone."""
         while self._draining and (self._draining[0][0] is None or self._draining[0][0].query()):
@@ -177,18 +181,22 @@ class HostStore:
                 self._readers[slot] -= 1
                 if not self._readers[slot]:
                     del self._readers[slot]
-                    if slot in self._quarantined:
-                        self._quarantined.remove(slot)
-                        self._free.add(slot)
 
     def _grow(self) -> bool:
-        """Allocate one more slab if the capacity allows; False when it is all allocated."""
+        """Allocate one more slab if the capacity allows; False when it is all allocated, or when
+        the allocation fails (the tier then keeps the slabs it has, with one warning)."""
         with self._grow_lock:
             allocated = len(self._slabs) * self._slots_per_slab
             if allocated >= self._num_slots:
                 return False
             count = min(self._slots_per_slab, self._num_slots - allocated)
-            slab = torch.empty((count, *self._block_shape), dtype=self._dtype, pin_memory=self.pin_memory)
+            try:
+                slab = torch.empty((count, *self._block_shape), dtype=self._dtype, pin_memory=self.pin_memory)
+            except RuntimeError as error:
+                logger.warning("kv host tier: could not allocate %.0f MiB more (%s); it keeps %.2f GiB",
+                               count * self._slot_bytes / 2**20, error, allocated * self._slot_bytes / 2**30)
+                self._num_slots = allocated
+                return False
             with self._lock:
                 self._slabs.append(slab)
                 self._free.update(range(allocated, allocated + count))

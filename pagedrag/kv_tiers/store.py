@@ -9,6 +9,7 @@ Invariants every store keeps:
   vouch for (a corrupt, truncated, foreign or mismatched entry) is a miss, dropped and counted
   in ``num_dropped``; it never raises for a bad entry.
 - ``used_bytes <= capacity_bytes`` after every ``put`` (least recently used entries go first).
+- What ``get`` returns is for reading only: a store may hand out its own memory.
 - A store that meets an error of its medium (a full disk, a vanished or read-only directory)
   turns itself off (``enabled`` False) with one warning; from then on it holds nothing.
 """

@@ -184,8 +184,8 @@ class KVTiers:
                 self.stats.moved(f"host_to_{store.name}", num_bytes, time.perf_counter() - start)
 
     def release_reads(self, done) -> None:
-        """Blocks read from host memory whose views are gone are read by no device work after
-        ``done`` (an event, or None: none at all): see host_store.HostStore.release_reads."""
+        """Blocks read from host memory whose views are gone are read by no device work launched
+        after ``done`` (an event, or None: none at all): see host_store.HostStore.release_reads."""
         if self._host is not None:
             self._host.release_reads(done)
 

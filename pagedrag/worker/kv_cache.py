@@ -101,13 +101,15 @@ class KVCacheTensors:
     def _stage(staging: torch.Tensor, blocks: list[torch.Tensor]) -> None:
         """Copy host blocks into the device tensor ``staging``, a copy for each run of blocks that
         lie back to back in host memory (a side stream on CUDA)."""
-        device = staging.device
-        with _copy_stream(device) as stream:
-            for first, run in adjacent_runs(blocks):
-                staging[first:first + run.shape[0]].copy_(run, non_blocking=True)
-        if stream is not None:
-            torch.cuda.current_stream(device).wait_stream(stream)
-            staging.record_stream(torch.cuda.current_stream(device))
+        device, stream = staging.device, None
+        try:
+            with _copy_stream(device) as stream:
+                for first, run in adjacent_runs(blocks):
+                    staging[first:first + run.shape[0]].copy_(run, non_blocking=True)
+        finally:  # even after a failed copy, later work (and the tiers' read events) follows those queued
+            if stream is not None:
+                torch.cuda.current_stream(device).wait_stream(stream)
+                staging.record_stream(torch.cuda.current_stream(device))
 
     def apply(self, copies: list[tuple[int, int]], swaps: SwapPlan) -> None:
         """Run a step's block moves: swap-outs, then swap-ins, then copy-on-write copies."""

@@ -42,7 +42,7 @@ def queued_work_done(device: torch.device) -> torch.cuda.Event | None:
     if device.type != "cuda":
         return None
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(device))
     return done
 
 

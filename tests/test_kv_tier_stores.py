@@ -295,6 +295,21 @@ def test_a_put_that_finds_every_block_read_drops_itself_and_evicts_nothing():
     assert not store.contains(_key(3)) and store.num_dropped == 1
 
 
+def test_a_disk_hit_is_served_from_its_host_memory_copy(tmp_path):
+    from pagedrag.kv_tiers.cost_model import TierCostModel
+    from pagedrag.kv_tiers.tiers import KVTiers
+
+    host = HostStore(1 << 20)
+    tiers = KVTiers([DiskStore(tmp_path, 1 << 20, KEYSPACE), host], KEYSPACE, TierCostModel(4))
+    block_hash = (7).to_bytes(32, "little")
+    tiers.stores[1].put(tiers.key(block_hash), _block(7))  # on disk only
+    stored, tier = tiers.read(block_hash, _block(7).token_ids).result()
+    assert tier == "disk" and torch.equal(stored.kv, _block(7).kv)
+    kept = host.get(tiers.key(block_hash)).kv  # promoted, and what the load reads (pinned on CUDA)
+    assert stored.kv.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr()
+    tiers.close()
+
+
 def test_weights_fingerprint_sees_one_changed_element_and_not_the_thread_count():
     model = torch.nn.Linear(64, 32)
     before = weights_fingerprint(model)

@@ -151,8 +151,15 @@ class KVTiers:
                 self.stats.moved(f"{store.name}_to_host", block.num_bytes, seconds)
             for upper in self.stores[:depth]:
                 upper.put(key, block)
-            return block, store.name
+            return self._in_host_memory(key, block), store.name
         return None, None
+
+    def _in_host_memory(self, key: bytes, block: StoredBlock) -> StoredBlock:
+        """The host tier's copy of a block just read from below, where it kept one: pinned on CUDA,
+        so the load crosses without holding up the step loop, and beside the blocks of its chain
+        read before it (one copy for the run); else ``block`` itself."""
+        promoted = None if self._host is None else self._host.get(key)
+        return promoted if promoted is not None and promoted.token_ids == block.token_ids else block
 
     # ---- writes --------------------------------------------------------------------------------
     def write(self, entries: Sequence[tuple[bytes, Sequence[int], bytes]], kv: torch.Tensor,

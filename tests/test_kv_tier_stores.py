@@ -225,7 +225,7 @@ def test_a_count_file_that_cannot_be_opened_turns_the_tier_off_once(tmp_path, ca
 
 def test_host_store_keeps_its_capacity_least_recently_used_first():
     size = _block(0).num_bytes
-    store = HostStore(3 * size)
+    store = HostStore(3 * size, SHAPE, torch.float32)
     for seed in range(3):
         store.put(_key(seed), _block(seed))
     store.get(_key(0))
@@ -239,7 +239,7 @@ def test_blocks_put_one_after_another_cross_to_the_pool_as_one_copy():
     from pagedrag.worker.kv_cache import CacheShape, KVCacheTensors
     from pagedrag.worker.transfer import adjacent_runs
 
-    store = HostStore(8 * _block(0).num_bytes)
+    store = HostStore(8 * _block(0).num_bytes, SHAPE, torch.float32)
     blocks = {seed: _block(seed) for seed in range(5)}
     for seed, block in blocks.items():
         store.put(_key(seed), block)
@@ -263,7 +263,7 @@ def test_a_block_with_readers_is_not_evicted_while_its_view_lives_nor_until_its_
         def query(self):
             return self.fired
 
-    store = HostStore(2 * _block(0).num_bytes)
+    store = HostStore(2 * _block(0).num_bytes, SHAPE, torch.float32)
     store.put(_key(0), _block(0))
     store.put(_key(1), _block(1))
     view = store.get(_key(0)).kv  # a load holds it: block 0 has a reader
@@ -284,7 +284,7 @@ def test_a_block_with_readers_is_not_evicted_while_its_view_lives_nor_until_its_
 
 
 def test_a_put_that_finds_every_block_read_drops_itself_and_evicts_nothing():
-    store = HostStore(2 * _block(0).num_bytes)
+    store = HostStore(2 * _block(0).num_bytes, SHAPE, torch.float32)
     store.put(_key(0), _block(0))
     store.put(_key(1), _block(1))
     views = [store.get(_key(0)).kv, store.get(_key(1)).kv]
@@ -293,13 +293,14 @@ def test_a_put_that_finds_every_block_read_drops_itself_and_evicts_nothing():
     assert all(torch.equal(view, _block(seed).kv) for seed, view in enumerate(views))
     store.put(_key(3), StoredBlock((1, 2), torch.zeros(3)))  # another shape: dropped, counted
     assert not store.contains(_key(3)) and store.num_dropped == 1
+    assert not HostStore(_block(0).num_bytes - 1, SHAPE, torch.float32).enabled  # not one block: no tier
 
 
 def test_a_disk_hit_is_served_from_its_host_memory_copy(tmp_path):
     from pagedrag.kv_tiers.cost_model import TierCostModel
     from pagedrag.kv_tiers.tiers import KVTiers
 
-    host = HostStore(1 << 20)
+    host = HostStore(1 << 20, SHAPE, torch.float32)
     tiers = KVTiers([DiskStore(tmp_path, 1 << 20, KEYSPACE), host], KEYSPACE, TierCostModel(4))
     block_hash = (7).to_bytes(32, "little")
     tiers.stores[1].put(tiers.key(block_hash), _block(7))  # on disk only
@@ -458,10 +459,10 @@ def test_the_switch_interval_is_lowered_while_any_disk_tier_lives(tmp_path):
     def tiers(*stores):
         return KVTiers(stores, KEYSPACE, TierCostModel(block_size=4))
 
-    host_only = tiers(HostStore(1 << 20))
+    host_only = tiers(HostStore(1 << 20, SHAPE, torch.float32))
     assert sys.getswitchinterval() == original  # host reads run on the step loop
     for order in ((0, 1), (1, 0)):
-        engines = [tiers(HostStore(1 << 20), DiskStore(tmp_path / str(n), 1 << 20, KEYSPACE)) for n in range(2)]
+        engines = [tiers(HostStore(1 << 20, SHAPE, torch.float32), DiskStore(tmp_path / str(n), 1 << 20, KEYSPACE)) for n in range(2)]
         assert sys.getswitchinterval() == GIL_SWITCH_INTERVAL_S
         first, last = (engines[n] for n in order)
         first.close()
@@ -484,7 +485,7 @@ def test_tiers_go_nearest_first_and_tier_hits_adds_up_tier_by_tier(tmp_path):
     from pagedrag.kv_tiers.store import TIER_NAMES, tier_hits
     from pagedrag.kv_tiers.tiers import KVTiers
 
-    tiers = KVTiers([DiskStore(tmp_path, 1 << 20, KEYSPACE), HostStore(1 << 20)], KEYSPACE, TierCostModel(4))
+    tiers = KVTiers([DiskStore(tmp_path, 1 << 20, KEYSPACE), HostStore(1 << 20, SHAPE, torch.float32)], KEYSPACE, TierCostModel(4))
     assert [store.name for store in tiers.stores] == list(TIER_NAMES) == ["host", "disk"]
     tiers.close()
     assert tier_hits({"disk": 16}, None, {"disk": 16, "host": 32}) == {"disk": 32, "host": 32}

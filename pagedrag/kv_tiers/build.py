@@ -30,7 +30,8 @@ def build_tiers(args: EngineArgs, weights: str, shape, device: torch.device) -> 
                         shape.num_kv_heads * tp_size, shape.head_dim, tp_size).fingerprint
     stores = []
     if args.kv_offloading_size:
-        stores.append(HostStore(args.kv_offloading_size * GIB_BYTES, pin_memory=device.type == "cuda"))
+        block = (shape.num_layers, 2, shape.block_size, shape.num_kv_heads * tp_size, shape.head_dim)
+        stores.append(HostStore(args.kv_offloading_size * GIB_BYTES, block, shape.dtype, pin_memory=device.type == "cuda"))
     if args.kv_disk_path is not None:
         stores.append(DiskStore(args.kv_disk_path, args.kv_disk_size * GIB_BYTES, keyspace))
     for store in stores:

@@ -6,9 +6,10 @@ It is kept apart from preemption's swap space: swap space must be there in full 
 preempted request's private, partly filled blocks, where this tier is a cache that may drop
 anything at any time.
 
-Blocks live in slots of slabs: host tensors of up to SLAB_BYTES, allocated as the tier fills
-(up to its capacity) and kept. A block put right after another takes the slot after the other's
-where it is free, so the blocks one step completed (a prompt's prefix chain, in order) lie back
+Blocks live in slots of slabs: host tensors of up to SLAB_BYTES, all allocated when the store
+is made (pinning memory stalls the device's other work while it runs: slabs pinned as the tier
+filled tripled the TTFT of the prompts being written meanwhile on the H200). A block put right
+after another takes the slot after the other's where it is free, so the blocks one step completed (a prompt's prefix chain, in order) lie back
 to back and cross to the device as one copy (worker.transfer.adjacent_runs; on the H200 80
 blocks of 2 MiB crossed at ~43 GB/s one by one where one 160 MiB copy ran at ~55).
 
@@ -22,8 +23,9 @@ Invariants:
 - ``used_bytes <= capacity_bytes``. Pinned slabs come from torch's pinned-memory allocator,
   which rounds each allocation up to a power of two: the memory held can exceed the capacity
   by that rounding (under 256 MiB in all).
-- Every block has the shape and dtype of the first one put; another is dropped (counted in
-  ``num_dropped``), as is a put that finds every block with readers.
+- Every block has the store's ``block_shape`` and ``dtype``; another is dropped (counted in
+  ``num_dropped``), as is a put that finds every block with readers. Memory that cannot be
+  allocated at the start leaves a smaller tier, with one warning.
 """
 
 from __future__ import annotations
@@ -59,20 +61,19 @@ def _view_died(view_slots: dict[weakref.ref, int], dead_views: deque[int], view:
 class HostStore:
     name = HOST_TIER
 
-    def __init__(self, capacity_bytes: int, pin_memory: bool = False):
+    def __init__(self, capacity_bytes: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+                 pin_memory: bool = False):
         self.capacity_bytes = int(capacity_bytes)
-        self.pin_memory = pin_memory
-        self.enabled = self.capacity_bytes > 0
+        self._block_shape, self._dtype = torch.Size(block_shape), dtype
+        self._slot_bytes = self._block_shape.numel() * dtype.itemsize
         self.num_dropped = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # the step loop and the tiers' reader and writer threads share it
-        self._grow_lock = threading.Lock()  # one slab allocation at a time, outside ``_lock``
-        self._block_shape: torch.Size | None = None  # fixed by the first put
-        self._dtype: torch.dtype | None = None
-        self._slots_per_slab = 0
-        self._num_slots = 0  # the capacity in blocks
-        self._slabs: list[torch.Tensor] = []
-        self._free: set[int] = set()
+        self._slots_per_slab = max(1, SLAB_BYTES // self._slot_bytes)
+        self._slabs = _allocate_slabs(self.capacity_bytes // self._slot_bytes, self._slots_per_slab,
+                                      self._block_shape, dtype, pin_memory)
+        self._free: set[int] = set(range(sum(len(slab) for slab in self._slabs)))
+        self.enabled = bool(self._free)
         self._last_slot = -1  # the slot of the last put: the next one takes the slot after it if it can
         self._readers: dict[int, int] = {}  # slot -> views handed out and not yet released
         self._view_slots: dict[weakref.ref, int] = {}  # the views handed out and alive
@@ -84,10 +85,6 @@ class HostStore:
     @property
     def used_bytes(self) -> int:
         return len(self._entries) * self._slot_bytes
-
-    @property
-    def _slot_bytes(self) -> int:
-        return 0 if self._block_shape is None else self._block_shape.numel() * self._dtype.itemsize
 
     def contains(self, key: bytes) -> bool:
         return key in self._entries
@@ -121,7 +118,7 @@ class HostStore:
             if key in self._entries:  # a repeated put counts as a use
                 self._entries.move_to_end(key)
                 return
-        if not self._fits(block.kv):
+        if (block.kv.shape, block.kv.dtype) != (self._block_shape, self._dtype):
             self.num_dropped += 1
             return
         slot = self._take_slot()
@@ -135,29 +132,15 @@ class HostStore:
             self._entries[key] = _Entry(block.token_ids, slot, block.computed_after)
 
     # ---- slots ---------------------------------------------------------------------------------
-    def _fits(self, kv: torch.Tensor) -> bool:
-        """Whether ``kv`` has the shape and dtype of the store's slots (the first put's)."""
-        with self._lock:
-            if self._block_shape is None:
-                self._block_shape, self._dtype = kv.shape, kv.dtype
-                self._num_slots = self.capacity_bytes // self._slot_bytes
-                self._slots_per_slab = max(1, min(self._num_slots, SLAB_BYTES // self._slot_bytes))
-        return (kv.shape, kv.dtype) == (self._block_shape, self._dtype)
-
     def _view(self, slot: int) -> torch.Tensor:
         return self._slabs[slot // self._slots_per_slab][slot % self._slots_per_slab]
 
     def _take_slot(self) -> int | None:
-        """A slot to write: the one after the last put's if free, any free one, a new slab's first,
-        or the slot of the least recently used block without readers, evicted; None when every
+        """A slot to write: the one after the last put's if free, any free one, or the slot of the least recently used block without readers, evicted; None when every
         block has readers."""
         with self._lock:
             slot = self._free_slot()
-        if slot is None and self._grow():
-            with self._lock:
-                slot = self._free_slot()
-        if slot is None:
-            with self._lock:
+            if slot is None:
                 victim = next((key for key, entry in self._entries.items() if entry.slot not in self._readers), None)
                 if victim is not None:
                     self._free.add(self._entries.pop(victim).slot)
@@ -182,22 +165,20 @@ class HostStore:
                 if not self._readers[slot]:
                     del self._readers[slot]
 
-    def _grow(self) -> bool:
-        """Allocate one more slab if the capacity allows; False when it is all allocated, or when
-        the allocation fails (the tier then keeps the slabs it has, with one warning)."""
-        with self._grow_lock:
-            allocated = len(self._slabs) * self._slots_per_slab
-            if allocated >= self._num_slots:
-                return False
-            count = min(self._slots_per_slab, self._num_slots - allocated)
-            try:
-                slab = torch.empty((count, *self._block_shape), dtype=self._dtype, pin_memory=self.pin_memory)
-            except RuntimeError as error:
-                logger.warning("kv host tier: could not allocate %.0f MiB more (%s); it keeps %.2f GiB",
-                               count * self._slot_bytes / 2**20, error, allocated * self._slot_bytes / 2**30)
-                self._num_slots = allocated
-                return False
-            with self._lock:
-                self._slabs.append(slab)
-                self._free.update(range(allocated, allocated + count))
-            return True
+
+def _allocate_slabs(num_slots: int, slots_per_slab: int, block_shape: torch.Size, dtype: torch.dtype,
+                    pin_memory: bool) -> list[torch.Tensor]:
+    """Slabs holding ``num_slots`` blocks in all, ``slots_per_slab`` each (the last fewer); fewer
+    slabs, with one warning, where the memory runs out."""
+    slabs, allocated = [], 0
+    while allocated < num_slots:
+        count = min(slots_per_slab, num_slots - allocated)
+        try:
+            slabs.append(torch.empty((count, *block_shape), dtype=dtype, pin_memory=pin_memory))
+        except RuntimeError as error:
+            logger.warning("kv host tier: could not allocate %.0f MiB more (%s); it keeps %.2f GiB",
+                           count * block_shape.numel() * dtype.itemsize / 2**20, error,
+                           allocated * block_shape.numel() * dtype.itemsize / 2**30)
+            break
+        allocated += count
+    return slabs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import os
 from dataclasses import dataclass, field, fields
@@ -144,11 +145,11 @@ class EngineArgs:
             (self.enable_prefix_caching or not self.enable_chunk_reuse,
              "enable_chunk_reuse needs enable_prefix_caching: reused chunks live in the prefix cache's pool"),
             (self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}"),
-            (_is_real(self.kv_offloading_size) and self.kv_offloading_size >= 0,
-             f"kv_offloading_size must be a non-negative number of GiB, got {self.kv_offloading_size!r}"),
-            (_is_real(self.kv_disk_size) and self.kv_disk_size > 0,
-             f"kv_disk_size must be a positive number of GiB, got {self.kv_disk_size!r}"),
-            (self.kv_disk_path is None or isinstance(self.kv_disk_path, (str, os.PathLike)),
+            (_is_real(self.kv_offloading_size) and 0 <= self.kv_offloading_size < math.inf,
+             f"kv_offloading_size must be a finite, non-negative number of GiB, got {self.kv_offloading_size!r}"),
+            (_is_real(self.kv_disk_size) and 0 < self.kv_disk_size < math.inf,
+             f"kv_disk_size must be a finite, positive number of GiB, got {self.kv_disk_size!r}"),
+            (self.kv_disk_path is None or isinstance(self.kv_disk_path, str) and self.kv_disk_path.strip() != "",
              f"kv_disk_path must be a directory path, got {self.kv_disk_path!r}"),
             (self.enable_prefix_caching or not self.uses_kv_tiers,
              "kv_offloading_size / kv_disk_path need enable_prefix_caching: the tiers hold prefix-cache blocks"),

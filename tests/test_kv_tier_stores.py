@@ -410,6 +410,21 @@ def test_a_file_of_the_old_layout_is_a_miss_dropped_like_a_foreign_one(tmp_path)
     assert store.num_dropped == 1 and not path.exists()
 
 
+def test_a_fifo_a_huge_file_or_a_block_of_another_shape_is_a_miss_dropped(tmp_path):
+    store = DiskStore(tmp_path, 1 << 20, KEYSPACE, SHAPE, torch.float32)
+    paths = [store.path_of(_key(seed)) for seed in (1, 2, 3)]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(paths[0])  # opening it for reading would wait for a writer for ever
+    with open(paths[1], "wb") as file:
+        file.truncate(1 << 36)  # sparse: 64 GiB that a read would try to allocate
+    flat = StoredBlock(_block(3).token_ids, _block(3).kv.reshape(-1))  # intact, checksum and all
+    paths[2].write_bytes(disk_format.encode(_key(3), KEYSPACE, flat))
+    for seed in (1, 2, 3):
+        assert store.contains(_key(seed)) and store.get(_key(seed)) is None
+    assert store.num_dropped == 3 and not any(path.exists() for path in paths)
+
+
 class _ShortReads:
     """A file whose reads return at most ``chunk`` bytes each, as some filesystems' do."""
 

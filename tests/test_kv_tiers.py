@@ -175,7 +175,9 @@ def test_warm_fills_the_tier_for_a_later_engine(tiny, tmp_path):
     assert _tokens(out) == expected and all(o.num_cached_tokens >= 160 for o in out)
 
 
-@pytest.mark.parametrize("bad", [{"kv_offloading_size": -1}, {"kv_disk_size": 0}, {"kv_disk_path": 3},
+@pytest.mark.parametrize("bad", [{"kv_offloading_size": -1}, {"kv_offloading_size": float("inf")},
+                                 {"kv_disk_size": 0}, {"kv_disk_size": float("inf")}, {"kv_disk_path": 3},
+                                 {"kv_disk_path": ""},
                                  {"kv_disk_path": "x", "enable_prefix_caching": False}])
 def test_bad_tier_arguments_are_refused_by_name(tiny, bad):
     with pytest.raises(ValueError, match="kv_"):

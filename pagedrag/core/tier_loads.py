@@ -157,7 +157,7 @@ class TierLoads:
         """Keep the prefix chain up to its first failed block and every chunk that loaded in full."""
         waiting.done = True
         self._loading.difference_update(load.wanted.block_hash for load in waiting.loads)
-        results = [load.future.result() for load in waiting.loads]
+        results = [_outcome(load.future) for load in waiting.loads]
         broken_chunks = {load.wanted.chain for load, (stored, _) in zip(waiting.loads, results)
                          if stored is None and load.wanted.chain != _PREFIX}
         prefix_broken, kept = False, []
@@ -213,3 +213,12 @@ class TierLoads:
         self._loading.difference_update(load.wanted.block_hash for load in waiting.loads)
         self.pool.free(list(reversed(waiting.held)))
         self.pool.free(list(reversed([load.block for load in waiting.loads])))
+
+
+def _outcome(future: Future) -> tuple:
+    """A finished read's (block or None, tier or None); a read that raised is a miss (the
+    tiers log their own errors), so that no request fails and nothing it holds leaks."""
+    try:
+        return future.result()
+    except Exception:
+        return None, None

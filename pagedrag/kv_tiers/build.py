@@ -29,11 +29,11 @@ def build_tiers(args: EngineArgs, weights: str, shape, device: torch.device) -> 
     keyspace = KeySpace(weights, str(shape.dtype), device.type, shape.block_size, shape.num_layers,
                         shape.num_kv_heads * tp_size, shape.head_dim, tp_size).fingerprint
     stores = []
+    block = (shape.num_layers, 2, shape.block_size, shape.num_kv_heads * tp_size, shape.head_dim)
     if args.kv_offloading_size:
-        block = (shape.num_layers, 2, shape.block_size, shape.num_kv_heads * tp_size, shape.head_dim)
         stores.append(HostStore(args.kv_offloading_size * GIB_BYTES, block, shape.dtype, pin_memory=device.type == "cuda"))
     if args.kv_disk_path is not None:
-        stores.append(DiskStore(args.kv_disk_path, args.kv_disk_size * GIB_BYTES, keyspace))
+        stores.append(DiskStore(args.kv_disk_path, args.kv_disk_size * GIB_BYTES, keyspace, block, shape.dtype))
     for store in stores:
         logger.info("kv %s tier: %.2f GiB%s (keyspace %s)", store.name, store.capacity_bytes / GIB_BYTES,
                     f" at {args.kv_disk_path}" if isinstance(store, DiskStore) else "", keyspace[:16])

@@ -9,7 +9,8 @@ payload's dtype and shape; its padding puts the payload at an offset that is a m
 ALIGNMENT, so that a payload read into an aligned buffer (``aligned_buffer``) is viewed as
 bf16/fp32 in place at an aligned address. The trailing sha256 covers everything before it.
 The magic names the layout's version. ``decode`` returns None for anything that is not
-exactly such a file for the key asked for (wrong magic, such as a file of an older layout,
+exactly such a file for the key asked for (wrong magic, a shape or dtype other than the
+engine's, such as a file of an older layout,
 truncated, checksum mismatch, another key or keyspace, unknown dtype, unaligned payload): a
 bad file is a miss, never an error or a wrong token.
 """
@@ -40,9 +41,10 @@ def encode(key: bytes, keyspace: str, block: StoredBlock) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
-def decode(data, key: bytes, keyspace: str) -> StoredBlock | None:
+def decode(data, key: bytes, keyspace: str, shape: tuple[int, ...] | None = None,
+           dtype: torch.dtype | None = None) -> StoredBlock | None:
     """The block in ``data`` (any bytes-like object) if it is a whole, intact file of ``key`` in
-    ``keyspace``; else None. The block's tensor starts at an ALIGNMENT-aligned address: it shares
+    ``keyspace`` (and of ``shape`` and ``dtype`` where given); else None. The block's tensor starts at an ALIGNMENT-aligned address: it shares
     ``data``'s memory where ``data`` is writable and aligned (an ``aligned_buffer``: no copy),
     else it is a copy."""
     view = memoryview(data)
@@ -54,16 +56,18 @@ def decode(data, key: bytes, keyspace: str) -> StoredBlock | None:
     (header_len,) = struct.unpack_from("<I", body, len(MAGIC))
     try:
         header = json.loads(bytes(body[_FIXED:_FIXED + header_len]))
-        dtype, shape = _DTYPES[header["dtype"]], tuple(header["shape"])
-        matches = header["key"] == key.hex() and header["keyspace"] == keyspace
+        stored_dtype, stored_shape = _DTYPES[header["dtype"]], tuple(header["shape"])
+        matches = (header["key"] == key.hex() and header["keyspace"] == keyspace
+                   and all(type(size) is int and size >= 0 for size in stored_shape)
+                   and shape in (None, tuple(stored_shape)) and dtype in (None, stored_dtype))
         token_ids = tuple(int(t) for t in header["token_ids"])
         computed_after = bytes.fromhex(header["computed_after"])
     except (ValueError, KeyError, TypeError):
         return None
     payload = body[_FIXED + header_len:]
-    if not matches or (_FIXED + header_len) % ALIGNMENT or len(payload) != _num_bytes(shape, dtype):
+    if not matches or (_FIXED + header_len) % ALIGNMENT or len(payload) != _num_bytes(stored_shape, stored_dtype):
         return None
-    return StoredBlock(token_ids, _aligned_bytes(payload).view(dtype).reshape(shape), computed_after)
+    return StoredBlock(token_ids, _aligned_bytes(payload).view(stored_dtype).reshape(stored_shape), computed_after)
 
 
 def aligned_buffer(num_bytes: int) -> memoryview:

@@ -34,11 +34,14 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 from pagedrag.kv_tiers import disk_format
 from pagedrag.kv_tiers.store import DISK_TIER, StoredBlock
@@ -53,8 +56,10 @@ _COUNT_FILE = "used-bytes"
 class DiskStore:
     name = DISK_TIER
 
-    def __init__(self, root: str | os.PathLike, capacity_bytes: int, keyspace: str):
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int, keyspace: str,
+                 block_shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None):
         self.keyspace = keyspace
+        self.block_shape, self.dtype = block_shape, dtype  # what every block read must be (None: any)
         self.capacity_bytes = int(capacity_bytes)
         self.directory = Path(root) / keyspace[:16]
         self.enabled = self.capacity_bytes > 0
@@ -110,10 +115,13 @@ class DiskStore:
             return None
         path = self.path_of(key)
         try:
-            data = _read_file(path)
+            data = _read_file(path, self.capacity_bytes)
+        except _NotABlockFile:  # a FIFO, a directory, a file larger than the whole tier
+            self._drop(path)
+            return None
         except OSError:  # evicted by another engine meanwhile, or unreadable: a miss
             return None
-        block = disk_format.decode(data, key, self.keyspace)
+        block = disk_format.decode(data, key, self.keyspace, self.block_shape, self.dtype)
         if block is None:
             self._drop(path)
             return None
@@ -215,12 +223,22 @@ def _read_count(fd: int) -> int | None:
         return None
 
 
-def _read_file(path: Path) -> memoryview:
+class _NotABlockFile(Exception):
+    """What is at a block's path cannot be a block file."""
+
+
+def _read_file(path: Path, max_bytes: int) -> memoryview:
     """The file's bytes in an aligned buffer of their own (decode's tensor keeps it: no further
     copy). A read may return fewer bytes than asked for; only an end of file before the size
-    the file had when opened is an error (an OSError: truncated meanwhile)."""
-    with open(path, "rb", buffering=0) as file:
-        data = disk_format.aligned_buffer(os.fstat(file.fileno()).st_size)
+    the file had when opened is an error (an OSError: truncated meanwhile). Opened without
+    blocking (a FIFO planted there would block for ever); raises _NotABlockFile for anything
+    but a regular file of at most ``max_bytes``."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(descriptor, "rb", buffering=0) as file:
+        status = os.fstat(file.fileno())
+        if not stat.S_ISREG(status.st_mode) or status.st_size > max_bytes:
+            raise _NotABlockFile(path.name)
+        data = disk_format.aligned_buffer(status.st_size)
         filled = 0
         while filled < len(data):
             count = file.readinto(data[filled:])

@@ -142,7 +142,11 @@ class KVTiers:
             if store.name in slower:  # a miss: its tokens are computed
                 return None, None
             start = time.perf_counter()
-            block = store.get(key)
+            try:
+                block = store.get(key)
+            except Exception:  # a store's own bug or an unforeseen medium error: a miss, never a failed step
+                logger.exception("kv tiers: a read from the %s tier failed; a miss", store.name)
+                block = None
             seconds = time.perf_counter() - start
             if block is None or block.token_ids != token_ids:
                 continue

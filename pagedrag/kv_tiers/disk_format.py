@@ -9,10 +9,9 @@ payload's dtype and shape; its padding puts the payload at an offset that is a m
 ALIGNMENT, so that a payload read into an aligned buffer (``aligned_buffer``) is viewed as
 bf16/fp32 in place at an aligned address. The trailing sha256 covers everything before it.
 The magic names the layout's version. ``decode`` returns None for anything that is not
-exactly such a file for the key asked for (wrong magic, a shape or dtype other than the
-engine's, such as a file of an older layout,
-truncated, checksum mismatch, another key or keyspace, unknown dtype, unaligned payload): a
-bad file is a miss, never an error or a wrong token.
+exactly such a file for the key asked for (wrong magic, such as a file of an older layout,
+truncated, checksum mismatch, another key or keyspace, unknown dtype, a shape or dtype other
+than the engine's, unaligned payload): a bad file is a miss, never an error or a wrong token.
 """
 
 from __future__ import annotations
@@ -44,9 +43,9 @@ def encode(key: bytes, keyspace: str, block: StoredBlock) -> bytes:
 def decode(data, key: bytes, keyspace: str, shape: tuple[int, ...] | None = None,
            dtype: torch.dtype | None = None) -> StoredBlock | None:
     """The block in ``data`` (any bytes-like object) if it is a whole, intact file of ``key`` in
-    ``keyspace`` (and of ``shape`` and ``dtype`` where given); else None. The block's tensor starts at an ALIGNMENT-aligned address: it shares
-    ``data``'s memory where ``data`` is writable and aligned (an ``aligned_buffer``: no copy),
-    else it is a copy."""
+    ``keyspace`` (and of ``shape`` and ``dtype`` where given); else None. The block's tensor
+    starts at an ALIGNMENT-aligned address: it shares ``data``'s memory where ``data`` is
+    writable and aligned (an ``aligned_buffer``: no copy), else it is a copy."""
     view = memoryview(data)
     if len(view) < _FIXED + _DIGEST_BYTES or bytes(view[:len(MAGIC)]) != MAGIC:
         return None
@@ -59,7 +58,7 @@ def decode(data, key: bytes, keyspace: str, shape: tuple[int, ...] | None = None
         stored_dtype, stored_shape = _DTYPES[header["dtype"]], tuple(header["shape"])
         matches = (header["key"] == key.hex() and header["keyspace"] == keyspace
                    and all(type(size) is int and size >= 0 for size in stored_shape)
-                   and shape in (None, tuple(stored_shape)) and dtype in (None, stored_dtype))
+                   and shape in (None, stored_shape) and dtype in (None, stored_dtype))
         token_ids = tuple(int(t) for t in header["token_ids"])
         computed_after = bytes.fromhex(header["computed_after"])
     except (ValueError, KeyError, TypeError):

@@ -88,6 +88,27 @@ def test_chunk_reuse_through_the_disk_tier(tiny, tmp_path):
     assert from_disk.outputs[0].token_ids == from_pool.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("window", [0, 16, 1000])
+def test_tier_hits_of_a_chunk_are_its_tokens_not_computed_again(tiny, tmp_path, window):
+    """A chunk loaded from a tier counts as tier hits only for the tokens it imports: tokens of
+    it computed again (the question window) are not hits, so a response's tier hits never exceed
+    its cached plus chunk-hit tokens."""
+    path, prompts, _ = tiny
+    tokens = prompts[0]
+    head, first, second, tail = tokens[:32], tokens[32:80], tokens[80:120], [9, 10, 11, 12, 13]
+    def prompt(*segments):
+        return {"prompt_segments": [{"token_ids": list(s)} for s in segments]}
+    engine = {**ENGINE, "enable_chunk_reuse": True, "chunk_recompute_window": window}
+    computing = LLM(str(path), kv_disk_path=tmp_path, **engine)
+    computing.generate(prompt(head, first, tail), GREEDY, use_tqdm=False)
+    computing.llm_engine.flush_tiers()
+    computing.llm_engine.shutdown()
+    restarted = LLM(str(path), kv_disk_path=tmp_path, **engine)
+    output = restarted.generate(prompt(head, second, first, tail), GREEDY, use_tqdm=False)[0]
+    assert output.num_recomputed_tokens > 0  # of the chunk that came from the disk
+    assert output.num_tier_hit_tokens == {"disk": output.num_cached_tokens + output.num_chunk_hit_tokens}
+
+
 def test_a_restarted_engine_knows_what_each_chunk_was_computed_after(tiny, tmp_path):
     """A chunk behind the segment it was computed after is imported whole (no token computed
     again), after a restart as in the engine that computed it: the relation travels with the
@@ -158,11 +179,15 @@ def test_a_directory_that_breaks_turns_the_tier_off_and_the_engine_goes_on(tiny,
     path, prompts, expected = tiny
     directory = tmp_path / "kv"
     llm = LLM(str(path), kv_disk_path=directory, **ENGINE)
+    _run(llm, prompts[:1])
+    assert llm.stats()["kv_tiers"]["tiers"]["disk"]["used_bytes"] > 0
+    llm.reset_prefix_cache()
     shutil.rmtree(directory)
-    directory.write_text("not a directory")  # every write under it now fails
+    directory.write_text("not a directory")  # every read and write under it now fails
     with caplog.at_level(logging.WARNING, logger="pagedrag"):
         assert _tokens(_run(llm, prompts)) == expected
-    assert not llm.stats()["kv_tiers"]["tiers"]["disk"]["enabled"]
+    disk = llm.stats()["kv_tiers"]["tiers"]["disk"]
+    assert not disk["enabled"] and disk["used_bytes"] == 0  # an off tier holds nothing
     assert sum("turned off" in r.getMessage() for r in caplog.records) == 1
 
 

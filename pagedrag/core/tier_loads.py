@@ -33,7 +33,7 @@ import torch
 
 from pagedrag.core.block_hash import BlockHash
 from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
-from pagedrag.core.chunk_cache import ChunkCache
+from pagedrag.core.chunk_cache import ChunkCache, ChunkPlan
 from pagedrag.core.request import Request
 from pagedrag.kv_tiers.store import tier_hits
 from pagedrag.kv_tiers.tiers import KVTiers
@@ -198,10 +198,26 @@ class TierLoads:
     def num_loading(self) -> int:
         return sum(not waiting.done for waiting in self._waiting.values())
 
-    def tier_hits_of(self, request: Request) -> dict[str, int]:
-        """Tokens of the request's landed loads, by the tier they came from."""
+    def tier_hits_of(self, request: Request, plan: ChunkPlan | None) -> dict[str, int]:
+        """Of the request's cache hits, the tokens its landed loads brought, by tier: its loaded
+        prefix blocks, and the chunks of ``plan`` (its chunk-reuse plan, None without) that came
+        from a tier less their tokens computed again, which are not hits (taken off the chunk's
+        first blocks). So the sum never exceeds cached plus chunk-hit tokens."""
         loads = getattr(self._waiting.get(request.request_id), "loads", [])
-        return tier_hits(*({load.tier: len(load.wanted.token_ids)} for load in loads))
+        imported = {index for index, _ in plan.imported} if plan else set()
+        recomputed = {} if not plan else {item.start: item.count + item.tail for item in plan.recompute}
+        counts = []
+        for load in loads:
+            tokens = len(load.wanted.token_ids)
+            if load.wanted.chain != _PREFIX:
+                if load.wanted.chain not in imported:
+                    continue
+                start = request.segments[load.wanted.chain].start
+                not_hits = min(recomputed.get(start, 0), tokens)
+                recomputed[start] = recomputed.get(start, 0) - not_hits
+                tokens -= not_hits
+            counts.append({load.tier: tokens})
+        return tier_hits(*counts)
 
     # ---- release ------------------------------------------------------------------------------
     def release(self, request: Request) -> None:

@@ -100,8 +100,9 @@ class DiskStore:
     # ---- the store -------------------------------------------------------------------------
     @property
     def used_bytes(self) -> int:
-        """The directory's shared count as this store last saw it (at open and at each put that wrote)."""
-        return self._used
+        """The directory's shared count as this store last saw it (at open and at each put that
+        wrote); 0 once the store is off, as it then holds nothing."""
+        return self._used if self.enabled else 0
 
     def path_of(self, key: bytes) -> Path:
         name = key.hex()

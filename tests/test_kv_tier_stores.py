@@ -311,6 +311,27 @@ def test_a_disk_hit_is_served_from_its_host_memory_copy(tmp_path):
     tiers.close()
 
 
+def test_a_host_hit_is_read_at_once_with_one_reader():
+    """A host-memory hit comes back done, as one view (one reader: the block is free to go once
+    that view's copy ran), not as a view of a view."""
+    from pagedrag.kv_tiers.cost_model import TierCostModel
+    from pagedrag.kv_tiers.tiers import KVTiers
+
+    host = HostStore(_block(0).num_bytes, SHAPE, torch.float32)
+    tiers = KVTiers([host], KEYSPACE, TierCostModel(4))
+    block_hash = (7).to_bytes(32, "little")
+    host.put(tiers.key(block_hash), _block(7))
+    read = tiers.read(block_hash, _block(7).token_ids)
+    assert read.done()
+    stored, tier = read.result()
+    assert tier == "host" and torch.equal(stored.kv, _block(7).kv)
+    del stored, read
+    tiers.release_reads(None)
+    host.put(_key(8), _block(8))  # the one slot: block 7 had one reader, now none, and goes
+    assert host.contains(_key(8)) and not host.contains(tiers.key(block_hash))
+    tiers.close()
+
+
 def test_weights_fingerprint_sees_one_changed_element_and_not_the_thread_count():
     model = torch.nn.Linear(64, 32)
     before = weights_fingerprint(model)

@@ -36,7 +36,7 @@ from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 from pagedrag.core.chunk_cache import ChunkCache, ChunkPlan
 from pagedrag.core.request import Request
 from pagedrag.kv_tiers.store import tier_hits
-from pagedrag.kv_tiers.tiers import KVTiers
+from pagedrag.kv_tiers.tiers import CompletedRead, KVTiers
 
 _PREFIX = -1  # the chain a load belongs to: the prompt's prefix, or a chunk's segment index
 
@@ -52,7 +52,7 @@ class _Wanted:
 class _Load:
     wanted: _Wanted
     block: KVBlock
-    future: Future
+    future: Future | CompletedRead
     tier: str | None = None  # where it came from, once landed
 
 
@@ -190,7 +190,8 @@ class TierLoads:
     def wait_for_any(self, timeout: float) -> None:
         """Sleep until a running load finishes (or ``timeout`` seconds): for a step with nothing
         else to do."""
-        futures = [load.future for waiting in self._waiting.values() if not waiting.done for load in waiting.loads]
+        futures = [load.future for waiting in self._waiting.values() if not waiting.done
+                   for load in waiting.loads if isinstance(load.future, Future)]
         if futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
@@ -231,7 +232,7 @@ class TierLoads:
         self.pool.free(list(reversed([load.block for load in waiting.loads])))
 
 
-def _outcome(future: Future) -> tuple:
+def _outcome(future: Future | CompletedRead) -> tuple:
     """A finished read's (block or None, tier or None); a read that raised is a miss (the
     tiers log their own errors), so that no request fails and nothing it holds leaks."""
     try:

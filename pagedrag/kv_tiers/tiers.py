@@ -26,6 +26,7 @@ import weakref
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -87,6 +88,20 @@ class TierStats:
             self.hit_tokens[tier] += num_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class CompletedRead:
+    """A read served at once (from host memory), answering a Future's ``done`` and ``result``
+    without building one: a prefix of 80 host blocks would pay 80 Futures' locks on the step loop."""
+
+    outcome: tuple[StoredBlock | None, str | None]
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> tuple[StoredBlock | None, str | None]:
+        return self.outcome
+
+
 class KVTiers:
     """``stores``: at most one a tier; kept nearest first (TIER_NAMES order), the host tier, if
     any, first. While an enabled store off host memory is there (its reads run on the reader
@@ -119,17 +134,17 @@ class KVTiers:
         return next((store.name for store in self.stores if store.enabled and store.contains(key)), None)
 
     # ---- reads ---------------------------------------------------------------------------------
-    def read(self, block_hash: bytes, token_ids: Sequence[int], slower: frozenset[str] | None = None) -> Future:
+    def read(self, block_hash: bytes, token_ids: Sequence[int],
+             slower: frozenset[str] | None = None) -> Future | CompletedRead:
         """A future of (StoredBlock or None, the tier it came from or None). ``slower``: the
         tiers the caller's lookup turned away (cost.slower_tiers(), taken now when None). A
         block in host memory is read at once, under that decision (a lookup: a thread would
-        only add its hop); others on a reader thread, which takes the decision anew when the
-        read starts: the reads queued before it may have measured a tier slower than computing."""
+        only add its hop), and comes as a CompletedRead; others on a reader thread, which takes
+        the decision anew when the read starts: the reads queued before it may have measured a
+        tier slower than computing."""
         key = self.key(block_hash)
         if self._host is not None and self._host.contains(key):
-            done: Future = Future()
-            done.set_result(self._read(key, tuple(token_ids), slower))
-            return done
+            return CompletedRead(self._read(key, tuple(token_ids), slower))
         return self._readers.submit(self._read, key, tuple(token_ids))
 
     def _read(self, key: bytes, token_ids: tuple[int, ...],
@@ -155,7 +170,7 @@ class KVTiers:
                 self.stats.moved(f"{store.name}_to_host", block.num_bytes, seconds)
             for upper in self.stores[:depth]:
                 upper.put(key, block)
-            return self._in_host_memory(key, block), store.name
+            return (block if store is self._host else self._in_host_memory(key, block)), store.name
         return None, None
 
     def _in_host_memory(self, key: bytes, block: StoredBlock) -> StoredBlock:

@@ -51,8 +51,8 @@ def host_load_bandwidth(llm: LLM, prompt: list[int]) -> float:
         tokens = prompt[index * size:(index + 1) * size]
         loads.append((pool.lookup(block_hash, tokens).block_id, host.get(engine.tiers.key(block_hash)).kv))
     cache = engine.runner.cache
-    cache.load_blocks(loads)
-    seconds = min(timed(lambda: cache.load_blocks(loads)) for _ in range(5))
+    cache.load_blocks(loads).join()
+    seconds = min(timed(lambda: cache.load_blocks(loads).join()) for _ in range(5))
     return sum(kv.numel() * kv.element_size() for _, kv in loads) / seconds
 
 

@@ -93,8 +93,10 @@ class KVCacheTensors:
         staging = torch.empty((layers, len(loads), 2, self.shape.block_size, heads * self.group.size,
                                self.shape.head_dim), dtype=self.shape.dtype, device=device)
         if self.group.size == 1:
-            return stage_layers(staging, [kv for _, kv in loads],
-                                lambda layer: self.device_pool[layer].index_copy_(1, ids, staging[layer].transpose(0, 1)))
+            loading = stage_layers(staging, [kv for _, kv in loads],
+                                   lambda layer: self.device_pool[layer].index_copy_(1, ids, staging[layer].transpose(0, 1)))
+            loading.buffers.append(ids)  # read on the load stream too
+            return loading
         if self.group.is_driver:
             stage_layers(staging, [kv for _, kv in loads]).join()
         self.group.broadcast_tensor(staging)

@@ -5,8 +5,9 @@
 1. Pinned host-to-device copy bandwidth (one 160 MiB copy), against the host tier's own load of
    80 blocks (1,280 tokens: 160 MiB) into the pool, timed alone.
 2. TTFT of a 1,312-token prompt whose first 1,280 tokens are: nowhere (cold), in the pool (a
-   pool hit), in the host tier only (the pool forgot them: reset_prefix_cache), in the disk
-   tier only (an engine with the disk tier alone).
+   pool hit), in the host tier only (the pool forgot them: reset_prefix_cache; with the load
+   landing layer by layer under the forward pass, then, for comparison, landing whole before
+   it, then layer by layer again), in the disk tier only (an engine with the disk tier alone).
 3. The 32-request RAG workload of bench_gpu.py (128 new tokens each) with the pool cut to a
    quarter of the blocks it needs, without a tier and with the host tier. Each arm
    runs the workload once to warm up (kernels compiled; with the tier, its blocks written),
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
@@ -72,6 +74,22 @@ def ttft(llm: LLM, prompt: list[int], forget_pool: bool) -> float:
     return statistics.median(values)
 
 
+@contextlib.contextmanager
+def loads_joined_first(llm: LLM):
+    """The comparison arm: every tier load lands whole before the forward pass starts (as before
+    layered loads), by joining it at once."""
+    cache = llm.llm_engine.runner.cache
+    def load_then_join(loads):
+        loading = type(cache).load_blocks(cache, loads)
+        loading.join()
+        return loading
+    cache.load_blocks = load_then_join
+    try:
+        yield
+    finally:
+        del cache.load_blocks
+
+
 def workload(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     run = lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # noqa: E731
@@ -108,6 +126,9 @@ def main() -> None:
         log('rows.append(("TTFT, 1,280 tokens in the pool", ttf')
         rows.append(("TTFT, 1,280 tokens in the host tier", ttft(llm, probe, forget_pool=True)))
         log('rows.append(("TTFT, 1,280 tokens in the host tier"')
+        with loads_joined_first(llm):
+            rows.append(("the same, each load landed whole before the forward pass", ttft(llm, probe, forget_pool=True)))
+        rows.append(("TTFT, 1,280 tokens in the host tier (again)", ttft(llm, probe, forget_pool=True)))
         needed = llm.stats()["num_cached_blocks"]
         llm.llm_engine.shutdown()
         del llm

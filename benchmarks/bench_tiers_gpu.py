@@ -127,6 +127,9 @@ def main() -> None:
         log('rows.append(("TTFT, 1,280 tokens in the pool", ttf')
         rows.append(("TTFT, 1,280 tokens in the host tier", ttft(llm, probe, forget_pool=True)))
         log('rows.append(("TTFT, 1,280 tokens in the host tier"')
+        graphs, llm.llm_engine.runner.graphs = llm.llm_engine.runner.graphs, None
+        rows.append(("for scale: 1,280 tokens in the pool, the step run eagerly", ttft(llm, probe, forget_pool=False)))
+        llm.llm_engine.runner.graphs = graphs
         long_probe = prompts[0][:1280] + prompts[2][-640:]  # 640 new tokens: past the graphs, an eager step
         llm.generate({"prompt_token_ids": long_probe}, ONE, use_tqdm=False)
         rows.append(("TTFT, 1,920-token prompt, 1,280 in the pool", ttft(llm, long_probe, forget_pool=False)))

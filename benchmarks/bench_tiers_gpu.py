@@ -6,9 +6,7 @@
    80 blocks (1,280 tokens: 160 MiB) into the pool, timed alone.
 2. TTFT of a 1,312-token prompt whose first 1,280 tokens are: nowhere (cold), in the pool (a
    pool hit), in the host tier only (the pool forgot them: reset_prefix_cache), in the disk
-   tier only (an engine with the disk tier alone). And of a 1,920-token prompt with the same
-   1,280 tokens cached, whose 640 new tokens run eagerly (past the CUDA graphs): in the pool,
-   in the host tier landing layer by layer under the forward pass, and landing whole first.
+   tier only (an engine with the disk tier alone).
 3. The 32-request RAG workload of bench_gpu.py (128 new tokens each) with the pool cut to a
    quarter of the blocks it needs, without a tier and with the host tier. Each arm
    runs the workload once to warm up (kernels compiled; with the tier, its blocks written),
@@ -20,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import tempfile
 import time
@@ -54,8 +51,8 @@ def host_load_bandwidth(llm: LLM, prompt: list[int]) -> float:
         tokens = prompt[index * size:(index + 1) * size]
         loads.append((pool.lookup(block_hash, tokens).block_id, host.get(engine.tiers.key(block_hash)).kv))
     cache = engine.runner.cache
-    cache.load_blocks(loads).join()
-    seconds = min(timed(lambda: cache.load_blocks(loads).join()) for _ in range(5))
+    cache.load_blocks(loads)
+    seconds = min(timed(lambda: cache.load_blocks(loads)) for _ in range(5))
     return sum(kv.numel() * kv.element_size() for _, kv in loads) / seconds
 
 
@@ -73,22 +70,6 @@ def ttft(llm: LLM, prompt: list[int], forget_pool: bool) -> float:
             llm.reset_prefix_cache()
         values.append(llm.generate({"prompt_token_ids": prompt}, ONE, use_tqdm=False)[0].metrics.ttft)
     return statistics.median(values)
-
-
-@contextlib.contextmanager
-def loads_joined_first(llm: LLM):
-    """The comparison arm: every tier load lands whole before the forward pass starts (as before
-    layered loads), by joining it at once."""
-    cache = llm.llm_engine.runner.cache
-    def load_then_join(loads):
-        loading = type(cache).load_blocks(cache, loads)
-        loading.join()
-        return loading
-    cache.load_blocks = load_then_join
-    try:
-        yield
-    finally:
-        del cache.load_blocks
 
 
 def workload(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
@@ -127,15 +108,6 @@ def main() -> None:
         log('rows.append(("TTFT, 1,280 tokens in the pool", ttf')
         rows.append(("TTFT, 1,280 tokens in the host tier", ttft(llm, probe, forget_pool=True)))
         log('rows.append(("TTFT, 1,280 tokens in the host tier"')
-        graphs, llm.llm_engine.runner.graphs = llm.llm_engine.runner.graphs, None
-        rows.append(("for scale: 1,280 tokens in the pool, the step run eagerly", ttft(llm, probe, forget_pool=False)))
-        llm.llm_engine.runner.graphs = graphs
-        long_probe = prompts[0][:1280] + prompts[2][-640:]  # 640 new tokens: past the graphs, an eager step
-        llm.generate({"prompt_token_ids": long_probe}, ONE, use_tqdm=False)
-        rows.append(("TTFT, 1,920-token prompt, 1,280 in the pool", ttft(llm, long_probe, forget_pool=False)))
-        rows.append(("the same, 1,280 in the host tier, landing layer by layer", ttft(llm, long_probe, forget_pool=True)))
-        with loads_joined_first(llm):
-            rows.append(("the same, each load landed whole first", ttft(llm, long_probe, forget_pool=True)))
         needed = llm.stats()["num_cached_blocks"]
         llm.llm_engine.shutdown()
         del llm

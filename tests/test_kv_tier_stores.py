@@ -251,11 +251,11 @@ def test_blocks_put_one_after_another_cross_to_the_pool_as_one_copy():
     cache = KVCacheTensors(CacheShape(layers, block_size, heads, head_dim, torch.float32), 12, 0,
                            torch.device("cpu"), reference)
     pool_ids = [7, 2, 9, 3, 5]
-    cache.load_blocks(list(zip(pool_ids, shuffled))).join()
+    cache.load_blocks(list(zip(pool_ids, shuffled)))
     for pool_id, seed in zip(pool_ids, (3, 4, 0, 1, 2)):
         assert torch.equal(cache.device_pool[:, :, pool_id], blocks[seed].kv)
     mixed = [_block(8).kv, store.get(_key(1)).kv, store.get(_key(2)).kv, _block(9).kv]  # blocks read from disk beside host views
-    cache.load_blocks(list(zip([0, 1, 4, 6], mixed))).join()
+    cache.load_blocks(list(zip([0, 1, 4, 6], mixed)))
     assert all(torch.equal(cache.device_pool[:, :, pool_id], kv) for pool_id, kv in zip([0, 1, 4, 6], mixed))
 
 

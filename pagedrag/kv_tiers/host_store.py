@@ -8,14 +8,10 @@ anything at any time.
 
 Blocks live in slots of slabs: host tensors of up to SLAB_BYTES, all allocated when the store
 is made, so that no memory is pinned while requests are served (pinning holds up the device's
-work). A slab is layer-major, [layers, slots, 2, block_size, kv_heads, head_dim]: a block is the
-strided view ``slab[:, slot]``. A block put right after another takes the slot after the
-other's where it is free, so the blocks one step completed (a prompt's prefix chain, in order)
-lie back to back, and each layer's K and V of the run are one contiguous piece: a load crosses
-layer by layer, one large copy a layer, and the forward pass starts on the first layers while
-the later ones cross (worker.layered_loads; on the H200 a load of 80
-blocks of 2 MiB ran at 77-80% of the pinned copy bandwidth one block a copy, 83-84% in runs of
-whole blocks).
+work). A block put right after another takes the slot after the other's where it is free, so
+the blocks one step completed (a prompt's prefix chain, in order) lie back to back and cross to
+the device as one copy (worker.transfer.adjacent_runs; on the H200 a load of 80 blocks of 2 MiB
+ran at 77-80% of the pinned copy bandwidth one block a copy, 83-84% in runs of blocks).
 
 Invariants:
 - ``get`` hands out a view of the block's slot, for reading only; a tensor made from it (a
@@ -49,8 +45,6 @@ logger = logging.getLogger("pagedrag")
 
 SLAB_BYTES = 256 << 20
 """The most host memory one slab takes (pinned memory is allocated in such pieces)."""
-_SLOT_AXIS = 1
-"""A slab's slot axis: after the layer axis, so one layer of adjacent blocks is contiguous."""
 
 
 @dataclass(slots=True)
@@ -78,7 +72,7 @@ class HostStore:
         self._slots_per_slab = max(1, SLAB_BYTES // self._slot_bytes)
         self._slabs = _allocate_slabs(self.capacity_bytes // self._slot_bytes, self._slots_per_slab,
                                       self._block_shape, dtype, pin_memory)
-        self._free: set[int] = set(range(sum(slab.shape[_SLOT_AXIS] for slab in self._slabs)))
+        self._free: set[int] = set(range(sum(len(slab) for slab in self._slabs)))
         self.enabled = bool(self._free)
         self._last_slot = -1  # the slot of the last put: the next one takes the slot after it if it can
         self._readers: dict[int, int] = {}  # slot -> views handed out and not yet released
@@ -139,7 +133,7 @@ class HostStore:
 
     # ---- slots ---------------------------------------------------------------------------------
     def _view(self, slot: int) -> torch.Tensor:
-        return self._slabs[slot // self._slots_per_slab].select(_SLOT_AXIS, slot % self._slots_per_slab)
+        return self._slabs[slot // self._slots_per_slab][slot % self._slots_per_slab]
 
     def _take_slot(self) -> int | None:
         """A slot to write: the one after the last put's if free, any free one, or the slot of the
@@ -180,8 +174,7 @@ def _allocate_slabs(num_slots: int, slots_per_slab: int, block_shape: torch.Size
     while allocated < num_slots:
         count = min(slots_per_slab, num_slots - allocated)
         try:
-            dims = (*block_shape[:_SLOT_AXIS], count, *block_shape[_SLOT_AXIS:])
-            slabs.append(torch.empty(dims, dtype=dtype, pin_memory=pin_memory))
+            slabs.append(torch.empty((count, *block_shape), dtype=dtype, pin_memory=pin_memory))
         except RuntimeError as error:
             logger.warning("kv host tier: could not allocate %.0f MiB more (%s); it keeps %.2f GiB",
                            count * block_shape.numel() * dtype.itemsize / 2**20, error,

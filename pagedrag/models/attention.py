@@ -22,8 +22,6 @@ class AttentionMetadata:
     length once this step's tokens are in (so >= its query length).
     slot_mapping[t] is the flat cache slot of token t (-1: do not store).
     ``decode_only`` is True when every sequence brings exactly one token.
-    ``layer_ready``: where KV-tier loads land layer by layer (CUDA), an event per layer that
-    fires once that layer's loaded blocks are in the cache; layer i's work waits for event i.
     """
 
     slot_mapping: torch.Tensor      # [T] int64
@@ -32,12 +30,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor   # [B + 1] int32
     decode_only: bool
     ops: ModuleType                 # pagedrag.kernels.ops_for(device)
-    layer_ready: list[torch.cuda.Event] | None = None
-
-    def wait_for_layer(self, index: int) -> None:
-        """Hold the current stream's next work until layer ``index``'s loaded blocks are in."""
-        if self.layer_ready is not None:
-            torch.cuda.current_stream().wait_event(self.layer_ready[index])
 
 
 class PagedAttention(nn.Module):

@@ -262,8 +262,7 @@ class LlamaModel(nn.Module):
         """The first ``num_layers`` decoder layers (storing their K/V): (hidden, residual)."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for index, (layer, kv_cache) in enumerate(zip(self.layers[:num_layers], kv_caches[:num_layers], strict=True)):
-            meta.wait_for_layer(index)
+        for layer, kv_cache in zip(self.layers[:num_layers], kv_caches[:num_layers], strict=True):
             hidden, residual = layer(hidden, residual, positions, self.rotary.cos_sin_cache,
                                      kv_cache, meta)
         return hidden, residual

@@ -3,6 +3,7 @@ same shapes in CPU swap space, and the sizing of both from memory budgets."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from types import ModuleType
@@ -13,8 +14,7 @@ from pagedrag.config import GIB_BYTES
 from pagedrag.core.block_pool import blocks_for
 from pagedrag.core.kv_cache_manager import SwapPlan
 from pagedrag.distributed.group import SINGLE, TensorParallelGroup
-from pagedrag.worker.layered_loads import NOTHING_LOADING, LoadsInFlight, stage_layers
-from pagedrag.worker.transfer import device_to_host, host_to_device
+from pagedrag.worker.transfer import adjacent_runs, device_to_host, host_to_device
 
 logger = logging.getLogger("pagedrag")
 
@@ -78,31 +78,38 @@ class KVCacheTensors:
         whole = self.group.all_gather(gathered, dim=4)
         return device_to_host(whole) if self.group.is_driver else (None, None)
 
-    def load_blocks(self, loads: list[tuple[int, torch.Tensor | None]]) -> LoadsInFlight:
+    def load_blocks(self, loads: list[tuple[int, torch.Tensor | None]]) -> None:
         """Write whole blocks' K/V (rank 0's host tensors [layers, 2, block_size, every rank's
-        kv_heads, head_dim], pinned on CUDA; None on the other ranks) into the pool, on a side
-        stream on CUDA (worker.layered_loads). On one rank each layer lands as soon as it is
-        across, with an event for the forward pass to wait on; under tensor parallelism rank 0
-        broadcasts the blocks once all are across and every rank puts its heads in place. The
-        caller joins what comes back (see LoadsInFlight)."""
+        kv_heads, head_dim], pinned on CUDA; None on the other ranks) into the pool: each block
+        crosses whole (all its layers in one copy, on a stream of its own on CUDA, so the copies
+        overlap the work already queued), rank 0 broadcasts them to the other ranks, and one
+        scatter on the device puts this rank's heads in place before the next forward pass."""
         if not loads:
-            return NOTHING_LOADING
+            return
         device = self.device_pool.device
         ids = host_to_device([block_id for block_id, _ in loads], torch.int64, device)
-        layers, heads = self.shape.num_layers, self.shape.num_kv_heads
-        staging = torch.empty((layers, len(loads), 2, self.shape.block_size, heads * self.group.size,
-                               self.shape.head_dim), dtype=self.shape.dtype, device=device)
-        if self.group.size == 1:
-            loading = stage_layers(staging, [kv for _, kv in loads],
-                                   lambda layer: self.device_pool[layer].index_copy_(1, ids, staging[layer].transpose(0, 1)))
-            loading.buffers.append(ids)  # read on the load stream too
-            return loading
+        heads = self.shape.num_kv_heads
+        whole = (self.shape.num_layers, 2, self.shape.block_size, heads * self.group.size, self.shape.head_dim)
+        staging = torch.empty((len(loads), *whole), dtype=self.shape.dtype, device=device)
         if self.group.is_driver:
-            stage_layers(staging, [kv for _, kv in loads]).join()
+            self._stage(staging, [kv for _, kv in loads])
         self.group.broadcast_tensor(staging)
         own = staging.narrow(4, self.group.rank * heads, heads)
-        self.device_pool.index_copy_(2, ids, own.transpose(1, 2))
-        return NOTHING_LOADING
+        self.device_pool.index_copy_(2, ids, own.permute(1, 2, 0, 3, 4, 5))
+
+    @staticmethod
+    def _stage(staging: torch.Tensor, blocks: list[torch.Tensor]) -> None:
+        """Copy host blocks into the device tensor ``staging``, a copy for each run of blocks that
+        lie back to back in host memory (a side stream on CUDA)."""
+        device, stream = staging.device, None
+        try:
+            with _copy_stream(device) as stream:
+                for first, run in adjacent_runs(blocks):
+                    staging[first:first + run.shape[0]].copy_(run, non_blocking=True)
+        finally:  # even after a failed copy, later work (and the tiers' read events) follows those queued
+            if stream is not None:
+                torch.cuda.current_stream(device).wait_stream(stream)
+                staging.record_stream(torch.cuda.current_stream(device))
 
     def apply(self, copies: list[tuple[int, int]], swaps: SwapPlan) -> None:
         """Run a step's block moves: swap-outs, then swap-ins, then copy-on-write copies."""
@@ -120,6 +127,18 @@ class KVCacheTensors:
         for (src_k, src_v), (dst_k, dst_v) in zip(sources, destinations):
             self.ops.swap_blocks(src_k, dst_k, mapping)
             self.ops.swap_blocks(src_v, dst_v, mapping)
+
+
+@contextlib.contextmanager
+def _copy_stream(device: torch.device):
+    """A side CUDA stream (after the work queued so far) for host-to-device copies; None on CPU."""
+    if device.type != "cuda":
+        yield None
+        return
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield stream
 
 
 def available_cpu_memory() -> int:

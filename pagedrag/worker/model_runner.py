@@ -43,7 +43,6 @@ from pagedrag.worker.chunk_moves import apply_kv_moves
 from pagedrag.worker.recompute_selection import candidate_positions, first_tokens, most_deviating, probe_deviation
 from pagedrag.worker.cuda_graphs import GraphShape, StepGraphs
 from pagedrag.worker.kv_cache import KVCacheTensors
-from pagedrag.worker.layered_loads import NOTHING_LOADING, LoadsInFlight
 from pagedrag.worker.prompt_logprobs import PromptRows, prompt_rows, prompt_samples
 from pagedrag.worker.rejection_sampler import Verified, VerifyRow, verify
 from pagedrag.worker.thread_tuner import ThreadTuner
@@ -314,16 +313,15 @@ class ModelRunner:
         (asynchronous scheduling)."""
         moves = BlockMoves(step.block_copies, step.swaps, [m for item in step.scheduled for m in item.imports],
                            step.tier_loads)
-        loading = NOTHING_LOADING
         if self.group.size == 1:
-            loading = self.move_in(moves)  # before the layout: the deviation probe (one rank only) reads the imports
+            self.move_in(moves)  # before the layout: the deviation probe (one rank only) reads the imports
         layout, wanted = None, []
         if step.scheduled:
             self._pick_recomputed(step)
             layout, wanted = self.layout(step, inflight)
         plan = DevicePlan(moves, layout, [m for item in step.scheduled for m in item.exports])
         if self.group.size == 1:
-            sampling, prompt_logits = self.run(plan, inflight, loading)
+            sampling, prompt_logits = self.run(plan, inflight)
         else:
             self.group.broadcast_object(plan.for_workers())
             sampling, prompt_logits = self._in_step(lambda: self._move_in_and_run(plan, inflight))
@@ -331,7 +329,8 @@ class ModelRunner:
         return StepLogits(sampling, [(e.request, e.first_token, s) for e, s in zip(wanted, prompt)])
 
     def _move_in_and_run(self, plan: DevicePlan, inflight: InflightTokens | None = None):
-        return self.run(plan, inflight, self.move_in(plan.moves))
+        self.move_in(plan.moves)
+        return self.run(plan, inflight)
 
     @staticmethod
     def _in_step(work):
@@ -359,48 +358,31 @@ class ModelRunner:
         else:
             self._move_in_and_run(orders)
 
-    def move_in(self, moves: BlockMoves) -> LoadsInFlight:
-        """KV-tier loads, swaps, copy-on-write copies and chunk imports, before the forward pass.
-        The loads may still be landing layer by layer when this returns (``run`` joins them);
-        where block copies or chunk imports read the pool, they are joined first."""
-        loading = self.cache.load_blocks(list(moves.tier_loads))
-        if moves.copies or moves.imports:
-            loading.join()
+    def move_in(self, moves: BlockMoves) -> None:
+        """KV-tier loads, swaps, copy-on-write copies and chunk imports, before the forward pass."""
+        self.cache.load_blocks(list(moves.tier_loads))
         self.cache.apply(moves.copies, moves.swaps)
         self._move_kv(moves.imports)
-        return loading
 
-    def run(self, plan: DevicePlan, inflight: InflightTokens | None = None,
-            loading: LoadsInFlight = NOTHING_LOADING) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, plan: DevicePlan, inflight: InflightTokens | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward pass over ``plan.layout`` (a captured graph when one fits), then the
-        exports: (logits of the sampling rows, logits of the prompt-logprob rows or None).
-        ``loading``: tier loads still landing. A step that runs eagerly (too large for a graph)
-        waits layer by layer, each layer for its own loads; a step a graph fits waits for them all
-        first (a graph cannot wait layer by layer, and on the H200 an eager 32-token step of the
-        8B shape took ~30 ms against a graph's ~7, far more than the ~3 ms load it would hide).
-        They are joined once the pass is queued (or failed)."""
-        try:
-            if plan.layout is None:
-                return torch.empty(0, device=self.device), None
-            inputs = self.to_device(plan.layout, inflight)
-            shape = None if self.graphs is None else self.graphs.shape_for(
-                inputs.meta.context_lens.shape[0], inputs.input_ids.shape[0], inputs.meta.decode_only)
+        exports: (logits of the sampling rows, logits of the prompt-logprob rows or None)."""
+        if plan.layout is None:
+            return torch.empty(0, device=self.device), None
+        inputs = self.to_device(plan.layout, inflight)
+        shape = None if self.graphs is None else self.graphs.shape_for(
+            inputs.meta.context_lens.shape[0], inputs.input_ids.shape[0], inputs.meta.decode_only)
+        with nullcontext() if self.threads is None else self.threads.step(inputs.input_ids.shape[0]):
             if shape is not None:
-                loading.join()
-            inputs.meta.layer_ready = loading.layer_ready
-            with nullcontext() if self.threads is None else self.threads.step(inputs.input_ids.shape[0]):
-                if shape is not None:
-                    hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.meta)
-                else:
-                    hidden = self.model(inputs.input_ids, inputs.positions, self.cache.device_layers, inputs.meta)
-                loading.join()
-                self._move_kv(plan.exports)
-                sampling = self.model.compute_logits(hidden[inputs.logits_indices], self.ops)
-                prompt = self.model.compute_logits(hidden[inputs.prompt_rows], self.ops) \
-                    if plan.layout.prompt_rows else None
-            return sampling, prompt
-        finally:
-            loading.join()
+                hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.meta)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.cache.device_layers, inputs.meta)
+            self._move_kv(plan.exports)
+            sampling = self.model.compute_logits(hidden[inputs.logits_indices], self.ops)
+            prompt = self.model.compute_logits(hidden[inputs.prompt_rows], self.ops) if plan.layout.prompt_rows \
+                else None
+        return sampling, prompt
 
     def _pick_recomputed(self, step: SchedulerOutput) -> None:
         """Add to each run list the tokens of imported chunks to compute again."""

@@ -47,37 +47,31 @@ def queued_work_done(device: torch.device) -> torch.cuda.Event | None:
 
 
 def adjacent_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
-    """(index of the first, one tensor [n, *shape] spanning them) for each run of tensors that
-    lie at a constant step in one storage (the host KV tier's slots), in order: equal shapes,
-    strides and dtypes, each starting one step after the one before (the first two set the
-    step). ``span[i]`` is exactly ``tensors[first + i]``: what crosses to the device in one copy
-    (or, for slots of a layer-major slab, one copy a layer) instead of one per tensor."""
+    """(index of the first, one tensor [n, *shape] spanning them) for each run of equally shaped
+    contiguous tensors that lie back to back in one storage (the host KV tier's slabs), in order:
+    what crosses to the device in one copy instead of one per tensor."""
     runs: list[tuple[int, torch.Tensor]] = []
-    start, count, step = 0, 0, None
+    start, first, count = 0, None, 0
     for index, tensor in enumerate(tensors):
-        if count and _follows(tensors[start], count, step, tensor):
-            step = tensor.storage_offset() - tensors[start].storage_offset() if count == 1 else step
+        if first is not None and _follows(first, count, tensor):
             count += 1
             continue
-        if count:
-            runs.append((start, _span(tensors[start], count, step)))
-        start, count, step = index, 1, None
-    if count:
-        runs.append((start, _span(tensors[start], count, step)))
+        if first is not None:
+            runs.append((start, _span(first, count)))
+        start, first, count = index, tensor, 1
+    if first is not None:
+        runs.append((start, _span(first, count)))
     return runs
 
 
-def _follows(first: torch.Tensor, count: int, step: int | None, tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` continues the run of ``count`` tensors from ``first`` (step None: any
-    positive step the next one sets)."""
-    if not (tensor.shape == first.shape and tensor.stride() == first.stride() and tensor.dtype == first.dtype
-            and tensor.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()):
-        return False
-    offset = tensor.storage_offset() - first.storage_offset()
-    return offset > 0 if step is None else offset == count * step
+def _follows(first: torch.Tensor, count: int, tensor: torch.Tensor) -> bool:
+    return (tensor.is_contiguous() and first.is_contiguous() and tensor.shape == first.shape
+            and tensor.dtype == first.dtype
+            and tensor.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and tensor.storage_offset() == first.storage_offset() + count * first.numel())
 
 
-def _span(first: torch.Tensor, count: int, step: int | None) -> torch.Tensor:
+def _span(first: torch.Tensor, count: int) -> torch.Tensor:
     if count == 1:
         return first[None]
-    return first.as_strided((count, *first.shape), (step, *first.stride()), first.storage_offset())
+    return first.as_strided((count, *first.shape), (first.numel(), *first.stride()), first.storage_offset())

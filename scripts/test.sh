@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder "$@"
+python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=15 "$@"

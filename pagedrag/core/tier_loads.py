@@ -206,7 +206,7 @@ class TierLoads:
         first blocks). So the sum never exceeds cached plus chunk-hit tokens."""
         loads = getattr(self._waiting.get(request.request_id), "loads", [])
         imported = {index for index, _ in plan.imported} if plan else set()
-        recomputed = {} if not plan else {item.start: item.count + item.tail for item in plan.recompute}
+        recomputed = {item.start: item.count + item.tail for item in plan.recompute} if plan else {}
         counts = []
         for load in loads:
             tokens = len(load.wanted.token_ids)

@@ -18,6 +18,7 @@ from pagedrag.spec_decode.config import SpeculativeConfig
 DEFAULT_CPU_KV_FRACTION = 0.10
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 GIB_BYTES = 1 << 30
+DEFAULT_KV_DISK_SIZE = 16.0  # GiB
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
@@ -89,8 +90,9 @@ class EngineArgs:
                                           "host memory already: a bigger pool does the same)")
     kv_disk_path: str | None = _arg(None, "a directory for a KV tier on disk: blocks kept across restarts "
                                           "and shared by every engine of the same model that uses it")
-    kv_disk_size: float = _arg(16.0, "GiB the disk tier may take in kv_disk_path (least recently used "
-                                     "blocks go first, whichever engine wrote them)")
+    kv_disk_size: float | None = _arg(None, "GiB the disk tier may take in kv_disk_path, over every engine "
+                                            "sharing it (least recently used blocks go first, whichever "
+                                            "engine wrote them); default: 16 with kv_disk_path")
     enforce_eager: bool = _arg(False, "no CUDA graphs (debugging)")
     async_scheduling: bool | None = _arg(None, "launch step N+1 before reading step N's tokens; default: "
                                                "on for CUDA, off for CPU")
@@ -147,10 +149,15 @@ class EngineArgs:
             (self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}"),
             (_is_real(self.kv_offloading_size) and 0 <= self.kv_offloading_size < math.inf,
              f"kv_offloading_size must be a finite, non-negative number of GiB, got {self.kv_offloading_size!r}"),
-            (_is_real(self.kv_disk_size) and 0 < self.kv_disk_size < math.inf,
+            (self.kv_disk_size is None or _is_real(self.kv_disk_size) and 0 < self.kv_disk_size < math.inf,
              f"kv_disk_size must be a finite, positive number of GiB, got {self.kv_disk_size!r}"),
             (self.kv_disk_path is None or isinstance(self.kv_disk_path, str) and self.kv_disk_path.strip() != "",
              f"kv_disk_path must be a directory path, got {self.kv_disk_path!r}"),
+            (self.kv_disk_size is None or self.kv_disk_path is not None,
+             f"kv_disk_size={self.kv_disk_size!r} is given without kv_disk_path: the disk tier needs a directory"),
+            (not isinstance(self.kv_disk_path, str) or not os.path.exists(self.kv_disk_path)
+             or os.path.isdir(self.kv_disk_path),
+             f"kv_disk_path {self.kv_disk_path!r} exists and is not a directory"),
             (self.enable_prefix_caching or not self.uses_kv_tiers,
              "kv_offloading_size / kv_disk_path need enable_prefix_caching: the tiers hold prefix-cache blocks"),
             (self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
@@ -198,6 +205,11 @@ class EngineArgs:
     @property
     def uses_kv_tiers(self) -> bool:
         return bool(self.kv_offloading_size) or self.kv_disk_path is not None
+
+    @property
+    def resolved_kv_disk_size(self) -> float:
+        """GiB of the disk tier: kv_disk_size, or DEFAULT_KV_DISK_SIZE when not given."""
+        return DEFAULT_KV_DISK_SIZE if self.kv_disk_size is None else self.kv_disk_size
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -23,7 +23,7 @@ from hypothesis import given, settings, strategies as st
 from pagedrag.kv_tiers import disk_format
 from pagedrag.kv_tiers.disk_store import _COUNT_FILE, DiskStore
 from pagedrag.kv_tiers.host_store import HostStore
-from pagedrag.kv_tiers.keyspace import KeySpace, block_key, weights_fingerprint
+from pagedrag.kv_tiers.keyspace import KeySpace, block_key, config_fingerprint, mixed_checksum, weights_fingerprint
 from pagedrag.kv_tiers.store import StoredBlock
 
 KEYSPACE = "ab" * 32
@@ -82,6 +82,34 @@ def test_the_size_budget_evicts_least_recently_used_first(tmp_path):
     store.put(_key(10), _block(10))
     assert store.used_bytes <= budget
     assert store.contains(_key(0)) and store.contains(_key(10)) and not store.contains(_key(1))
+
+
+def test_the_budget_covers_every_keyspace_and_old_ones_age_out(tmp_path):
+    """Engines of two checkpoints share one directory's budget: the one no engine writes any
+    more is evicted first, and the directory never holds more than the budget."""
+    one = len(disk_format.encode(_key(0), KEYSPACE, _block(0)))
+    old, new = DiskStore(tmp_path, 5 * one, KEYSPACE), DiskStore(tmp_path, 5 * one, "cd" * 32)
+    for seed in range(5):
+        old.put(_key(seed), _block(seed))
+        os.utime(old.path_of(_key(seed)), (1000 + seed, 1000 + seed))
+    for seed in range(5):
+        new.put(block_key("cd" * 32, seed.to_bytes(32, "little")), _block(seed))
+        assert sum(path.stat().st_size for path in tmp_path.rglob("*.kv")) <= 5 * one
+    assert not any(old.contains(_key(seed)) for seed in range(5))
+    assert all(new.contains(block_key("cd" * 32, seed.to_bytes(32, "little"))) for seed in range(2, 5))
+
+
+def test_a_directory_at_a_blocks_path_is_a_miss_that_is_removed(tmp_path):
+    one = len(disk_format.encode(_key(0), KEYSPACE, _block(0)))
+    store = DiskStore(tmp_path, 3 * one, KEYSPACE)
+    planted = store.path_of(_key(1))
+    (planted / "inside").mkdir(parents=True)
+    assert store.contains(_key(1)) and store.get(_key(1)) is None
+    assert store.num_dropped == 1 and not planted.exists()
+    (planted / "inside").mkdir(parents=True)  # planted again: eviction passes it by
+    for seed in range(2, 8):
+        store.put(_key(seed), _block(seed))
+    assert store.enabled and store.used_bytes <= 3 * one and store.get(_key(7)) is not None
 
 
 _WRITER = """
@@ -162,10 +190,9 @@ def test_processes_sharing_a_directory_lose_nothing_and_serve_nothing_wrong(tmp_
 
 def _block_bytes_and_count(tmp_path) -> tuple[int, int]:
     """Under the directory's lock (no put midway): its block files' bytes, and its shared count."""
-    directory = tmp_path / KEYSPACE[:16]
-    with open(directory / _COUNT_FILE, "rb") as file:
+    with open(tmp_path / _COUNT_FILE, "rb") as file:
         fcntl.flock(file, fcntl.LOCK_EX)
-        return sum(path.stat().st_size for path in directory.rglob("*.kv")), int(file.read())
+        return sum(path.stat().st_size for path in tmp_path.rglob("*.kv")), int(file.read())
 
 
 def test_the_budget_holds_across_processes(tmp_path):
@@ -201,8 +228,8 @@ def test_two_writers_of_one_key_count_it_once(tmp_path, monkeypatch):
     second.put(_key(9), _block(9))
     size = first.path_of(_key(9)).stat().st_size
     assert first.used_bytes == second.used_bytes == _block_bytes_and_count(tmp_path)[1] == size
-    names = {path.name for path in first.directory.rglob("*")}
-    assert names == {_COUNT_FILE, _key(9).hex()[:2], f"{_key(9).hex()}.kv"}  # no temporary left
+    names = {path.name for path in tmp_path.rglob("*")}
+    assert names == {_COUNT_FILE, KEYSPACE[:16], _key(9).hex()[:2], f"{_key(9).hex()}.kv"}  # no temporary left
 
 
 def test_a_restart_recounts_a_count_gone_wrong(tmp_path):
@@ -210,13 +237,13 @@ def test_a_restart_recounts_a_count_gone_wrong(tmp_path):
     store = DiskStore(tmp_path, 1 << 20, KEYSPACE)
     store.put(_key(5), _block(5))
     for wrong in (b"00000000000000000001\n", b"garbage"):
-        (store.directory / _COUNT_FILE).write_bytes(wrong)
+        (tmp_path / _COUNT_FILE).write_bytes(wrong)
         assert DiskStore(tmp_path, 1 << 20, KEYSPACE).used_bytes == store.used_bytes > 0
     assert _block_bytes_and_count(tmp_path)[1] == store.used_bytes
 
 
 def test_a_count_file_that_cannot_be_opened_turns_the_tier_off_once(tmp_path, caplog):
-    (tmp_path / KEYSPACE[:16] / _COUNT_FILE).mkdir(parents=True)  # opening it fails (EISDIR)
+    (tmp_path / _COUNT_FILE).mkdir(parents=True)  # opening it fails (EISDIR)
     store = DiskStore(tmp_path, 1 << 20, KEYSPACE)
     store.put(_key(5), _block(5))
     assert not store.enabled and store.get(_key(5)) is None and not store.contains(_key(5))
@@ -335,30 +362,79 @@ def test_a_host_hit_is_read_at_once_with_one_reader():
     tiers.close()
 
 
-def test_weights_fingerprint_sees_one_changed_element_and_not_the_thread_count():
+def _fingerprints_of_changes(fingerprint, model: torch.nn.Module) -> list:
+    """``fingerprint(model)`` before any change, after one changed element, after a change of
+    three elements' bits by +d, -2d, +d (which a position-weighted sum would not see), and after
+    putting every value back."""
+    seen = [fingerprint(model)]
+    bits = model.weight.data.view(-1).view(torch.int32)
+    original = bits.clone()
+    bits[37] += 1
+    seen.append(fingerprint(model))
+    bits.copy_(original)
+    bits[10:13] += torch.tensor([1 << 8, -(2 << 8), 1 << 8], dtype=torch.int32)
+    seen.append(fingerprint(model))
+    bits.copy_(original)
+    seen.append(fingerprint(model))
+    return seen
+
+
+def test_weights_fingerprint_sees_any_changed_element_and_not_the_thread_count():
     model = torch.nn.Linear(64, 32)
-    before = weights_fingerprint(model)
+    before, one, pattern, restored = _fingerprints_of_changes(weights_fingerprint, model)
+    assert len({before, one, pattern}) == 3 and restored == before
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         assert weights_fingerprint(model) == before
     finally:
         torch.set_num_threads(threads)
-    original = model.weight[5, 7].item()
-    with torch.no_grad():
-        model.weight[5, 7] = original + 1e-3
+
+
+def test_the_accelerators_checksum_sees_any_changed_element_and_not_the_thread_count():
+    """The checksum weights on a GPU enter by (run here on CPU tensors)."""
+    model = torch.nn.Linear(64, 32)
+    def checksum(module):
+        return mixed_checksum(module.weight.data.view(-1).view(torch.int32))
+    before, one, pattern, restored = _fingerprints_of_changes(checksum, model)
+    assert len({before, one, pattern}) == 3 and restored == before
+    big = torch.randint(-(1 << 31), 1 << 31, (3 * (1 << 24) + 5,), dtype=torch.int32)  # several steps
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = mixed_checksum(big)
+    finally:
+        torch.set_num_threads(threads)
+    assert mixed_checksum(big) == single
+
+
+def test_weights_fingerprint_sees_buffers_kept_out_of_the_state_dict():
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+    before = weights_fingerprint(model)
+    model.inv_freq *= 2
     assert weights_fingerprint(model) != before
-    with torch.no_grad():
-        model.weight[5, 7] = original
-    assert weights_fingerprint(model) == before
+
+
+def test_config_fingerprint_sees_values_no_weight_holds_and_not_where_it_was_loaded_from():
+    from transformers import LlamaConfig
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, rms_norm_eps=1e-6)
+    moved = LlamaConfig(hidden_size=64, num_hidden_layers=2, rms_norm_eps=1e-6, name_or_path="/elsewhere")
+    assert config_fingerprint(config) == config_fingerprint(moved)
+    for changed in (LlamaConfig(hidden_size=64, num_hidden_layers=2, rms_norm_eps=1e-5),
+                    LlamaConfig(hidden_size=64, num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=500.0)):
+        assert config_fingerprint(changed) != config_fingerprint(config)
 
 
 def test_keyspace_changes_with_every_field():
-    base = KeySpace("w", "torch.float32", "cpu", 16, 2, 2, 16)
-    variants = [KeySpace("v", "torch.float32", "cpu", 16, 2, 2, 16), KeySpace("w", "torch.bfloat16", "cpu", 16, 2, 2, 16),
-                KeySpace("w", "torch.float32", "cuda", 16, 2, 2, 16), KeySpace("w", "torch.float32", "cpu", 32, 2, 2, 16),
-                KeySpace("w", "torch.float32", "cpu", 16, 2, 2, 16, tp_size=2),
-                KeySpace("w", "torch.float32", "cpu", 16, 2, 2, 16, format_version=2)]
+    base = KeySpace("w", "c", "torch.float32", "cpu", 16, 2, 2, 16)
+    variants = [KeySpace("v", "c", "torch.float32", "cpu", 16, 2, 2, 16),
+                KeySpace("w", "d", "torch.float32", "cpu", 16, 2, 2, 16),
+                KeySpace("w", "c", "torch.bfloat16", "cpu", 16, 2, 2, 16),
+                KeySpace("w", "c", "torch.float32", "cuda", 16, 2, 2, 16),
+                KeySpace("w", "c", "torch.float32", "cpu", 32, 2, 2, 16),
+                KeySpace("w", "c", "torch.float32", "cpu", 16, 2, 2, 16, tp_size=2),
+                KeySpace("w", "c", "torch.float32", "cpu", 16, 2, 2, 16, format_version=2)]
     assert len({base.fingerprint, *(v.fingerprint for v in variants)}) == 1 + len(variants)
 
 

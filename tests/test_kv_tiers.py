@@ -5,6 +5,7 @@ directory turns the tier off and the engine goes on."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -92,7 +93,7 @@ def test_chunk_reuse_through_the_disk_tier(tiny, tmp_path):
 def test_tier_hits_of_a_chunk_are_its_tokens_not_computed_again(tiny, tmp_path, window):
     """A chunk loaded from a tier counts as tier hits only for the tokens it imports: tokens of
     it computed again (the question window) are not hits, so a response's tier hits never exceed
-    its cached plus chunk-hit tokens."""
+    its cached plus chunk-hit tokens, and the engine's counters say the same."""
     path, prompts, _ = tiny
     tokens = prompts[0]
     head, first, second, tail = tokens[:32], tokens[32:80], tokens[80:120], [9, 10, 11, 12, 13]
@@ -107,6 +108,9 @@ def test_tier_hits_of_a_chunk_are_its_tokens_not_computed_again(tiny, tmp_path, 
     output = restarted.generate(prompt(head, second, first, tail), GREEDY, use_tqdm=False)[0]
     assert output.num_recomputed_tokens > 0  # of the chunk that came from the disk
     assert output.num_tier_hit_tokens == {"disk": output.num_cached_tokens + output.num_chunk_hit_tokens}
+    stats = restarted.stats()["kv_tiers"]
+    assert stats["hit_tokens"] == output.num_tier_hit_tokens
+    assert stats["external_prefix_cache_hits"] == output.num_cached_tokens + output.num_chunk_hit_tokens
 
 
 def test_a_restarted_engine_knows_what_each_chunk_was_computed_after(tiny, tmp_path):
@@ -134,13 +138,24 @@ def test_a_restarted_engine_knows_what_each_chunk_was_computed_after(tiny, tmp_p
     assert after_restart.outputs[0].token_ids == in_process.outputs[0].token_ids
 
 
-def test_changed_weights_under_the_same_name_miss(tiny, tmp_path_factory, tmp_path):
+def _other_weights(changed, tmp_path_factory):
+    other = make_tiny_model(tmp_path_factory.mktemp("seed1"), "llama", seed=1)
+    shutil.copy(other / "model.safetensors", changed / "model.safetensors")
+
+
+def _other_norm_epsilon(changed, tmp_path_factory):
+    """A value only the config holds (no weight changes)."""
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
+
+
+@pytest.mark.parametrize("change", [_other_weights, _other_norm_epsilon])
+def test_a_changed_checkpoint_under_the_same_name_misses(tiny, tmp_path_factory, tmp_path, change):
     path, prompts, _ = tiny
     _run(LLM(str(path), kv_disk_path=tmp_path, **ENGINE), prompts[:1])
     changed = tmp_path_factory.mktemp("changed") / path.name
     shutil.copytree(path, changed)
-    other = make_tiny_model(tmp_path_factory.mktemp("seed1"), "llama", seed=1)
-    shutil.copy(other / "model.safetensors", changed / "model.safetensors")
+    change(changed, tmp_path_factory)
     out = _run(LLM(str(changed), kv_disk_path=tmp_path, **ENGINE), prompts[:1])[0]
     assert out.num_cached_tokens == 0 and out.num_tier_hit_tokens == {}
     assert _tokens([out]) == hf_greedy(changed, prompts[:1], max_new=GREEDY.max_tokens)
@@ -202,16 +217,21 @@ def test_warm_fills_the_tier_for_a_later_engine(tiny, tmp_path):
 
 @pytest.mark.parametrize("bad", [{"kv_offloading_size": -1}, {"kv_offloading_size": float("inf")},
                                  {"kv_disk_size": 0}, {"kv_disk_size": float("inf")}, {"kv_disk_path": 3},
-                                 {"kv_disk_path": ""},
-                                 {"kv_disk_path": "x", "enable_prefix_caching": False}])
+                                 {"kv_disk_path": ""}, {"kv_disk_size": 4},
+                                 {"kv_disk_path": "x", "enable_prefix_caching": False},
+                                 {"kv_offloading_size": 1e-9}, {"kv_disk_path": "x", "kv_disk_size": 1e-9},
+                                 {"kv_disk_path": __file__}])
 def test_bad_tier_arguments_are_refused_by_name(tiny, bad):
+    """Refused by name: out-of-range sizes, a size that holds no block, a disk size without a
+    directory, a path that is a file."""
     with pytest.raises(ValueError, match="kv_"):
         LLM(str(tiny[0]), **ENGINE, **bad)
 
 
 def test_a_tight_pool_with_loads_for_many_requests_at_once_makes_progress(tiny):
     """Many requests whose blocks are in the host tier, admitted together into a pool that holds
-    a few of them: every one finishes, with HF's tokens (loads never take the pool's last room)."""
+    a few of them: every one finishes, with HF's tokens (loads never take the pool's last room),
+    and counts as tier hits only what it found loaded when it got in."""
     path, prompts, expected = tiny
     llm = LLM(str(path), kv_offloading_size=0.05, **{**ENGINE, "num_gpu_blocks_override": 36})
     batch = [prompts[i % 3] for i in range(9)]
@@ -219,4 +239,6 @@ def test_a_tight_pool_with_loads_for_many_requests_at_once_makes_progress(tiny):
     llm.reset_prefix_cache()
     again = _run(llm, batch)
     assert _tokens(again) == [expected[i % 3] for i in range(9)]
-    assert sum(o.num_tier_hit_tokens.get("host", 0) for o in again) > 0
+    served = sum(o.num_tier_hit_tokens.get("host", 0) for o in again)
+    assert llm.stats()["kv_tiers"]["hit_tokens"]["host"] == served > 0
+    assert all(sum(o.num_tier_hit_tokens.values()) <= o.num_cached_tokens for o in again)

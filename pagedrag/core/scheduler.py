@@ -356,7 +356,7 @@ class Scheduler:
         request.num_computed_tokens = num_hit_tokens
         if self.kv.tier_loads is not None:  # the table holds the loaded blocks now
             if first_time:
-                request.num_tier_hit_tokens = self.kv.tier_loads.tier_hits_of(request, plan)
+                request.num_tier_hit_tokens = self.kv.tier_loads.count_tier_hits(request, hits, plan)
             self.kv.tier_loads.release(request)
         request.exact_prefix_len, request.imported_segments = None, set()
         imports = self.kv.chunks.admit(request, plan, self.kv.tables[request.request_id], first_time) if plan else []

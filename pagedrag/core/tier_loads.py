@@ -173,7 +173,6 @@ class TierLoads:
                 load.tier = tier
                 kept.append(load)
                 self._ready.append((load.block.block_id, stored.kv))
-                self.tiers.stats.served(tier, len(load.wanted.token_ids))
             else:
                 self.pool.free([load.block])
         waiting.loads = kept
@@ -199,26 +198,36 @@ class TierLoads:
     def num_loading(self) -> int:
         return sum(not waiting.done for waiting in self._waiting.values())
 
-    def tier_hits_of(self, request: Request, plan: ChunkPlan | None) -> dict[str, int]:
-        """Of the request's cache hits, the tokens its landed loads brought, by tier: its loaded
-        prefix blocks, and the chunks of ``plan`` (its chunk-reuse plan, None without) that came
-        from a tier less their tokens computed again, which are not hits (taken off the chunk's
-        first blocks). So the sum never exceeds cached plus chunk-hit tokens."""
+    def count_tier_hits(self, request: Request, hits: list[KVBlock], plan: ChunkPlan | None) -> dict[str, int]:
+        """Of the request's cache hits, the tokens its landed loads brought, by tier, added to
+        the tiers' counters too (once a request: on its admission): its loaded prefix blocks
+        still among its prefix ``hits`` (a loaded block the pool evicted before the request got
+        in is not one), and the chunks of ``plan`` (its chunk-reuse plan, None without) that
+        came from a tier less their tokens computed again, which are not hits (taken off the
+        chunk's first blocks). So the sum never exceeds cached plus chunk-hit tokens, per
+        request and over all of them."""
         loads = getattr(self._waiting.get(request.request_id), "loads", [])
+        hit_blocks = {id(block) for block in hits}
         imported = {index for index, _ in plan.imported} if plan else set()
         recomputed = {item.start: item.count + item.tail for item in plan.recompute} if plan else {}
         counts = []
         for load in loads:
             tokens = len(load.wanted.token_ids)
-            if load.wanted.chain != _PREFIX:
-                if load.wanted.chain not in imported:
+            if load.wanted.chain == _PREFIX:
+                if id(load.block) not in hit_blocks or load.block.block_hash != load.wanted.block_hash:
                     continue
+            elif load.wanted.chain not in imported:
+                continue
+            else:
                 start = request.segments[load.wanted.chain].start
                 not_hits = min(recomputed.get(start, 0), tokens)
                 recomputed[start] = recomputed.get(start, 0) - not_hits
                 tokens -= not_hits
             counts.append({load.tier: tokens})
-        return tier_hits(*counts)
+        served = tier_hits(*counts)
+        for tier, tokens in served.items():
+            self.tiers.stats.served(tier, tokens)
+        return served
 
     # ---- release ------------------------------------------------------------------------------
     def release(self, request: Request) -> None:

@@ -80,7 +80,7 @@ class LLMEngine:
         num_cpu_blocks = side.num_cpu_blocks
         chunk_reuse = ((args.chunk_recompute_fraction, self.model_name, args.chunk_recompute_window)
                        if args.enable_chunk_reuse else None)
-        self.tiers = build_tiers(args, side.weights, self.shape, self.device)
+        self.tiers = build_tiers(args, side.weights, loaded.hf_config, self.shape, self.device)
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks,
                                  chunk_reuse, self.tiers)
         speculative = args.speculative()

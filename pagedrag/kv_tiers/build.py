@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 
 import torch
 
@@ -14,30 +15,40 @@ from pagedrag.distributed.group import TensorParallelGroup
 from pagedrag.kv_tiers.cost_model import TierCostModel
 from pagedrag.kv_tiers.disk_store import DiskStore
 from pagedrag.kv_tiers.host_store import HostStore
-from pagedrag.kv_tiers.keyspace import KeySpace, weights_fingerprint
+from pagedrag.kv_tiers.keyspace import KeySpace, config_fingerprint, weights_fingerprint
 from pagedrag.kv_tiers.tiers import KVTiers
 
 logger = logging.getLogger("pagedrag")
 
 
-def build_tiers(args: EngineArgs, weights: str, shape, device: torch.device) -> KVTiers | None:
+def build_tiers(args: EngineArgs, weights: str, config, shape, device: torch.device) -> KVTiers | None:
     """None when no tier is asked for. ``weights``: the fingerprint of every rank's weights
-    (``model_fingerprint``); ``shape``: this rank's worker.kv_cache.CacheShape."""
+    (``model_fingerprint``); ``config``: the model's transformers config; ``shape``: this
+    rank's worker.kv_cache.CacheShape."""
     if not args.uses_kv_tiers:
         return None
     tp_size = args.tensor_parallel_size
-    keyspace = KeySpace(weights, str(shape.dtype), device.type, shape.block_size, shape.num_layers,
+    keyspace = KeySpace(weights, config_fingerprint(config), str(shape.dtype), device.type, shape.block_size, shape.num_layers,
                         shape.num_kv_heads * tp_size, shape.head_dim, tp_size).fingerprint
-    stores = []
     block = (shape.num_layers, 2, shape.block_size, shape.num_kv_heads * tp_size, shape.head_dim)
+    block_bytes = math.prod(block) * shape.dtype.itemsize
+    stores = []
     if args.kv_offloading_size:
+        _check_holds_a_block("kv_offloading_size", args.kv_offloading_size, block_bytes)
         stores.append(HostStore(args.kv_offloading_size * GIB_BYTES, block, shape.dtype, pin_memory=device.type == "cuda"))
     if args.kv_disk_path is not None:
-        stores.append(DiskStore(args.kv_disk_path, args.kv_disk_size * GIB_BYTES, keyspace, block, shape.dtype))
+        _check_holds_a_block("kv_disk_size", args.resolved_kv_disk_size, block_bytes)
+        stores.append(DiskStore(args.kv_disk_path, args.resolved_kv_disk_size * GIB_BYTES, keyspace, block, shape.dtype))
     for store in stores:
         logger.info("kv %s tier: %.2f GiB%s (keyspace %s)", store.name, store.capacity_bytes / GIB_BYTES,
                     f" at {args.kv_disk_path}" if isinstance(store, DiskStore) else "", keyspace[:16])
     return KVTiers(stores, keyspace, TierCostModel(shape.block_size))
+
+
+def _check_holds_a_block(name: str, gib: float, block_bytes: int) -> None:
+    if gib * GIB_BYTES < block_bytes:
+        raise ValueError(f"{name}={gib!r} GiB holds no KV block: one block of this model takes {block_bytes} bytes "
+                         f"({block_bytes / GIB_BYTES:.3g} GiB)")
 
 
 def model_fingerprint(module: torch.nn.Module, group: TensorParallelGroup) -> str:

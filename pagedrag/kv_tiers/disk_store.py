@@ -2,9 +2,10 @@
 and that several engines (replicas on one host, or on a shared filesystem) may share.
 
 Layout: ``<root>/<keyspace fingerprint[:16]>/<key[:2]>/<key>.kv``, each file as
-disk_format.encode writes it, and ``<root>/<keyspace fingerprint[:16]>/used-bytes``: the
-directory's shared byte count, and the lock (an exclusive ``flock`` on it) that every store
-sharing the directory takes to read-modify-write that count, publish a file or evict.
+disk_format.encode writes it, and ``<root>/used-bytes``: the shared byte count of every
+keyspace's files (engines of other models, dtypes or checkpoints share the budget), and the
+lock (an exclusive ``flock`` on it) that every store sharing the directory takes to
+read-modify-write that count, publish a file or evict.
 
 Invariants:
 - Writers write to a temporary name in the same directory and publish it by linking it to its
@@ -17,13 +18,15 @@ Invariants:
   writer killed between publishing and counting leaves its block uncounted; every store's
   open recounts, and so does every eviction.
 - The size budget holds across processes and restarts: a put that leaves the count over
-  capacity evicts in the same locked step (the least recently used files of every engine, by
-  modification time, which a hit refreshes) down to 90% of it. So after any put returns, the
+  capacity evicts in the same locked step (the least recently used files of every engine and
+  keyspace, by modification time, which a hit refreshes) down to 90% of it: the blocks of a
+  checkpoint no engine loads any more age out. So after any put returns, the
   directory holds at most capacity bytes (that store's) of block files, whichever processes
   wrote them, plus any blocks of killed writers left uncounted until a recount; transiently,
   while a put holds the lock, one block more, besides the temporary files of writes in
   flight. Puts never scan the directory (it may hold 100k files); open and eviction do.
-- A file that fails to decode is removed and counted (``num_dropped``), and is a miss.
+- A file that fails to decode, or anything else at a block's path (a directory, a FIFO), is
+  removed and counted (``num_dropped``), and is a miss. Eviction skips what it cannot remove.
 - An OSError of the medium (ENOSPC, EROFS, EACCES, a vanished directory, a count file that
   cannot be created or locked) on open or write turns the store off with one warning; the
   engine goes on without it.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import stat
 import time
 import uuid
@@ -61,7 +65,8 @@ class DiskStore:
         self.keyspace = keyspace
         self.block_shape, self.dtype = block_shape, dtype  # what every block read must be (None: any)
         self.capacity_bytes = int(capacity_bytes)
-        self.directory = Path(root) / keyspace[:16]
+        self.root = Path(root)
+        self.directory = self.root / keyspace[:16]  # this keyspace's blocks
         self.enabled = self.capacity_bytes > 0
         self.num_dropped = 0
         self._used = 0
@@ -80,7 +85,7 @@ class DiskStore:
     def _sweep_temporaries(self) -> None:
         """Remove temporary files older than a minute (left by a writer that was killed)."""
         cutoff = time.time() - 60
-        for path in self.directory.glob(f"*/*{_TEMP_MARK}*"):
+        for path in self.root.glob(f"*/*/*{_TEMP_MARK}*"):
             try:
                 if path.stat().st_mtime < cutoff:
                     path.unlink()
@@ -88,11 +93,10 @@ class DiskStore:
                 pass
 
     def _files(self) -> list[os.DirEntry]:
-        entries = []
-        for sub in os.scandir(self.directory):
-            if sub.is_dir():
-                entries.extend(e for e in os.scandir(sub.path) if e.name.endswith(_SUFFIX))
-        return entries
+        """Every keyspace's block files under the root (directories named like one excluded)."""
+        return [entry for keyspace in _subdirectories(self.root) for sub in _subdirectories(keyspace.path)
+                for entry in os.scandir(sub.path)
+                if entry.name.endswith(_SUFFIX) and not entry.is_dir(follow_symlinks=False)]
 
     def _count_bytes(self) -> int:
         return sum(_size(entry) for entry in self._files())
@@ -149,7 +153,7 @@ class DiskStore:
         opened afresh each time: flock then excludes this process's other threads too, and a
         shared filesystem's close-to-open consistency hands the count on between hosts. A count
         file just created or unreadable is recounted."""
-        fd = os.open(self.directory / _COUNT_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(self.root / _COUNT_FILE, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             used = None if recount else _read_count(fd)
@@ -182,6 +186,9 @@ class DiskStore:
                 os.unlink(entry.path)
             except FileNotFoundError:  # dropped as corrupt meanwhile
                 pass
+            except OSError as error:  # not removable (by this user): it stays, counted
+                logger.warning("kv disk tier: cannot evict %s: %s", entry.path, error)
+                continue
             used -= _size(entry)
         return used
 
@@ -192,7 +199,10 @@ class DiskStore:
         self.num_dropped += 1
         logger.warning("kv disk tier: %s is corrupt, truncated or foreign; removed (a miss)", path.name)
         try:
-            path.unlink()
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
         except OSError:
             pass
 
@@ -235,10 +245,11 @@ def _read_file(path: Path, max_bytes: int) -> memoryview:
     blocking (a FIFO planted there would block for ever); raises _NotABlockFile for anything
     but a regular file of at most ``max_bytes``."""
     descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    status = os.fstat(descriptor)
+    if not stat.S_ISREG(status.st_mode) or status.st_size > max_bytes:
+        os.close(descriptor)
+        raise _NotABlockFile(path.name)
     with open(descriptor, "rb", buffering=0) as file:
-        status = os.fstat(file.fileno())
-        if not stat.S_ISREG(status.st_mode) or status.st_size > max_bytes:
-            raise _NotABlockFile(path.name)
         data = disk_format.aligned_buffer(status.st_size)
         filled = 0
         while filled < len(data):
@@ -247,6 +258,10 @@ def _read_file(path: Path, max_bytes: int) -> memoryview:
                 raise OSError(f"{path.name} ended at byte {filled} of {len(data)} while it was read")
             filled += count
         return data
+
+
+def _subdirectories(path: str | os.PathLike) -> list[os.DirEntry]:
+    return [entry for entry in os.scandir(path) if entry.is_dir(follow_symlinks=False)]
 
 
 def _touch(path: Path) -> None:

@@ -73,7 +73,7 @@ class TierStats:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.hit_tokens: Counter[str] = Counter()  # prefix / chunk tokens served, by tier
+        self.hit_tokens: Counter[str] = Counter()  # prompt tokens served, by tier (TierLoads.count_tier_hits)
         self.query_tokens = 0  # tokens looked up below the pool (external_prefix_cache_queries)
         self.bytes: Counter[str] = Counter()  # by transfer type: disk_to_host, host_to_device, ...
         self.seconds: Counter[str] = Counter()

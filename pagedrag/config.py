@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import os
@@ -11,7 +10,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from pagedrag.models.lowbit.methods import check_quantization
-from pagedrag.spec_decode.config import SpeculativeConfig
+from pagedrag.spec_decode.config import SpeculativeConfig, loads as speculative_json
 
 # On CPU there is no "device memory": unless kv_cache_memory_bytes is given, the
 # pool takes this share of the memory the OS reports available at start.
@@ -119,7 +118,7 @@ class EngineArgs:
         if isinstance(self.kv_disk_path, os.PathLike):
             self.kv_disk_path = os.fspath(self.kv_disk_path)
         if isinstance(self.speculative_config, str):  # the JSON text of --speculative-config
-            self.speculative_config = json.loads(self.speculative_config)
+            self.speculative_config = speculative_json(self.speculative_config)
         self._validate()
 
     def _validate(self) -> None:

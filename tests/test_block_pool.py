@@ -27,16 +27,30 @@ def check_manager(kv: KVCacheManager) -> None:
 
 
 def test_lru_hands_out_oldest_freed_first_and_evicts_hash():
-    pool = BlockPool(3)
-    a, b, c = pool.allocate(3)
+    pool = BlockPool(4)
+    a, b, c, d = pool.allocate(4)
     pool.cache(a, b"h-a", [1, 2])
-    pool.free([c, b, a])  # tail first
+    pool.cache(b, b"h-b", [3, 4])
+    pool.free([b, a])  # tail first
     assert pool.lookup(b"h-a", [1, 2]) is a
     assert pool.lookup(b"h-a", [1, 3]) is None  # hit confirmed against tokens
-    assert [blk.block_id for blk in pool.allocate(2)] == [c.block_id, b.block_id]
+    assert pool.allocate(1) == [b]  # the least recently freed cached block goes first
     assert pool.lookup(b"h-a", [1, 2]) is a  # still findable until handed out
     pool.allocate(1)
     assert pool.lookup(b"h-a", [1, 2]) is None
+
+
+def test_blocks_that_hold_no_cached_hash_are_reused_before_any_cached_block_is_evicted():
+    """A block emptied without a hash (a rejected draft's slots, a partial last block) is taken
+    first, however recently it was freed: cached blocks stay findable."""
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache(a, b"h-a", [1, 2])
+    pool.free([a])
+    pool.free([c, b])
+    assert sorted(block.block_id for block in pool.allocate(2)) == sorted([b.block_id, c.block_id])
+    assert pool.lookup(b"h-a", [1, 2]) is a and pool.num_evictions == 0
+    pool.check_invariants()
 
 
 def test_hash_chain_depends_on_salt_and_parent():

@@ -271,6 +271,19 @@ def test_choice_cursor_sends_everything_it_is_given():
     assert cursor.advance(CompletionOutput(0, "Hello world", [1, 2, 3, 4], finish_reason="stop"), False) is None
 
 
+def test_engine_arguments_that_are_dicts_name_one_shared_engine(monkeypatch):
+    """speculative_config is a dict (or its JSON text): the integrations pass it through."""
+    from pagedrag.client import inprocess
+
+    monkeypatch.setattr(inprocess, "SharedEngine", lambda args: object())
+    monkeypatch.setattr(inprocess, "_engines", {})
+    config = {"method": "ngram", "num_speculative_tokens": 4}
+    first = inprocess.shared_engine(None, {"speculative_config": config})
+    assert inprocess.shared_engine(None, {"speculative_config": dict(reversed(config.items()))}) is first
+    assert inprocess.shared_engine(None, {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 4}'}) is first
+    assert inprocess.shared_engine(None, {"speculative_config": {**config, "num_speculative_tokens": 2}}) is not first
+
+
 def test_shutdown_shared_engines_frees_them_and_later_clients_load_anew():
     """Run last in this module: it shuts down the module's shared engine too."""
     from pagedrag.client import shutdown_shared_engines

@@ -245,6 +245,22 @@ def test_metrics_and_stats_agree(tiny):
     assert 'pagedrag:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
 
 
+def test_rejected_drafts_cost_the_prefix_cache_nothing(tiny):
+    """A block that held only rejected drafted tokens is reused before any cached block is
+    evicted: after a long drafted answer in a tight pool, an earlier prompt finds as much of its
+    prefix cached as it does without speculative decoding."""
+    path, _ = tiny
+    first = list(range(10, 50))
+    long_answer = repeating_prompts()[2][:21]
+    cached = {}
+    for name, config in (("off", None), *METHODS.items()):
+        llm = make_llm(path, config, block_size=2, num_gpu_blocks_override=60, max_model_len=120)
+        generate(llm, [first], max_tokens=1)
+        generate(llm, [long_answer], max_tokens=60, ignore_eos=True)
+        cached[name] = (generate(llm, [first], max_tokens=1)[0].num_cached_tokens, llm.stats()["num_evicted_blocks"])
+    assert cached["ngram"] == cached["suffix"] == cached["off"], cached
+
+
 @pytest.mark.parametrize("config, name", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "draft"}, "'model'"),
@@ -256,6 +272,10 @@ def test_metrics_and_stats_agree(tiny):
     ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "suffix_decoding_min_token_prob"),
     ({"method": "suffix", "suffix_decoding_max_tree_depth": "8"}, "suffix_decoding_max_tree_depth"),
     ("[1, 2]", "dict"),
+    ("ngram", "speculative_config is not valid JSON"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth"),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": float("inf")}, "suffix_decoding_max_spec_factor"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 10**9}, "prompt_lookup_max"),
 ])
 def test_bad_config_refused_by_name(config, name):
     with pytest.raises(ValueError, match=name):
@@ -269,6 +289,8 @@ def test_config_through_the_cli_with_asynchronous_scheduling():
     assert args.speculative().num_speculative_tokens == 3
     assert args.resolved_async_scheduling(torch.device("cuda"))  # steps above the drafting gate
     assert EngineArgs(speculative_config=NGRAM, tensor_parallel_size=2).speculative().method == "ngram"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "{'method': 'ngram'}"])  # not JSON: argparse's error
 
 
 def test_the_opt_out_over_http_is_a_strict_boolean():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -83,7 +84,7 @@ class SharedEngine:
             started.set_result(stream)
 
 
-_engines: dict[tuple, SharedEngine] = {}
+_engines: dict[str, SharedEngine] = {}  # by the engine arguments as JSON
 _engines_lock = threading.Lock()
 
 
@@ -104,7 +105,7 @@ def shared_engine(model: str | None, engine_kwargs: dict[str, Any]) -> SharedEng
     ``{"block_size": 16}`` name the same engine.
     """
     args = engine_args(model, engine_kwargs)
-    key = tuple(sorted(dataclasses.asdict(args).items()))
+    key = json.dumps(dataclasses.asdict(args), sort_keys=True, default=repr)  # dict values too (speculative_config)
     with _engines_lock:
         if key not in _engines:
             _engines[key] = SharedEngine(args)

@@ -44,6 +44,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # free blocks in the order allocate takes them: those with no cached hash, then cached
+        # ones from the least recently freed
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
@@ -65,7 +67,10 @@ class BlockPool:
 
     # ---- allocation -------------------------------------------------------
     def allocate(self, count: int) -> list[KVBlock]:
-        """Take ``count`` free blocks (oldest-freed first), evicting their cached hashes."""
+        """Take ``count`` free blocks: first those that hold no cached hash, then cached ones,
+        least recently freed first, evicting their hashes. So a block emptied without being
+        cached (a rejected draft's, a finished request's partial last block) is reused before
+        any cached block is evicted."""
         if count > len(self._free):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
         taken = []
@@ -93,6 +98,8 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block.block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
 
     # ---- prefix cache -----------------------------------------------------
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:

@@ -101,9 +101,16 @@ def _add_engine_flag(group: argparse._ArgumentGroup, field: dataclasses.Field, h
     if kind is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
     elif kind is dict:
-        group.add_argument(flag, type=json.loads, default=field.default, metavar="JSON", help=help_text)
+        group.add_argument(flag, type=_json_value, default=field.default, metavar="JSON", help=help_text)
     else:
         group.add_argument(flag, type=kind, default=field.default, help=help_text)
+
+
+def _json_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
 
 
 def _base_type(hint) -> type:

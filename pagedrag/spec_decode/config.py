@@ -8,6 +8,7 @@ that names it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram", "suffix")
@@ -18,6 +19,10 @@ METHODS = ("ngram", "suffix")
 # acceptance profile (1.17-1.22x) and lost at the prompt-only one (0.87-0.90x). 8 is inside
 # the range measured to pay on both.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# The longest n-gram ngram looks up: its index keeps prompt_lookup_max - prompt_lookup_min + 1
+# n-grams of up to prompt_lookup_max tokens for every token of a request, so memory grows with
+# the square of it (a limit of 10**9 made a 1,500-token request's index 1.6 GB).
+MAX_PROMPT_LOOKUP = 16
 _COMMON_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size"}
 _METHOD_KEYS = {
     "ngram": {"prompt_lookup_min", "prompt_lookup_max"},
@@ -46,7 +51,7 @@ class SpeculativeConfig:
     def parse(cls, value: dict | str) -> SpeculativeConfig:
         """From a dict or its JSON text (``pagedrag serve --speculative-config``)."""
         if isinstance(value, str):
-            value = json.loads(value)
+            value = loads(value)
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict (or JSON object), got {type(value).__name__}")
         method = value.get("method")
@@ -65,19 +70,31 @@ class SpeculativeConfig:
         return config
 
     def _validate(self) -> None:
-        checks = [
+        checks = [  # the tree depth first: num_speculative_tokens defaults to it
+            (self.suffix_decoding_max_tree_depth >= 1, "suffix_decoding_max_tree_depth must be at least 1"),
             (self.num_speculative_tokens >= 1, "num_speculative_tokens must be at least 1"),
             (self.disable_by_batch_size >= 1, "disable_by_batch_size must be at least 1"),
             (1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
              "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max"),
-            (self.suffix_decoding_max_tree_depth >= 1, "suffix_decoding_max_tree_depth must be at least 1"),
+            (self.prompt_lookup_max <= MAX_PROMPT_LOOKUP,
+             f"prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP} (its index grows with its square), "
+             f"got {self.prompt_lookup_max}"),
             (self.suffix_decoding_max_cached_requests >= 0, "suffix_decoding_max_cached_requests must be >= 0"),
-            (self.suffix_decoding_max_spec_factor > 0, "suffix_decoding_max_spec_factor must be positive"),
+            (0 < self.suffix_decoding_max_spec_factor < math.inf,
+             f"suffix_decoding_max_spec_factor must be a positive, finite number, got {self.suffix_decoding_max_spec_factor}"),
             (0 <= self.suffix_decoding_min_token_prob <= 1, "suffix_decoding_min_token_prob must be in [0, 1]"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"speculative_config: {message}")
+
+
+def loads(text: str):
+    """speculative_config's JSON text, parsed; a ValueError that names it otherwise."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"speculative_config is not valid JSON ({error}): {text!r}") from None
 
 
 def _check_types(value: dict) -> None:

@@ -271,6 +271,34 @@ def test_choice_cursor_sends_everything_it_is_given():
     assert cursor.advance(CompletionOutput(0, "Hello world", [1, 2, 3, 4], finish_reason="stop"), False) is None
 
 
+def test_warm_takes_texts_and_conversations_and_sends_a_server_what_one_call_holds(monkeypatch):
+    """Anything else is a TypeError (a prompt dict would be warmed key by key); a long list goes
+    to a server in calls of at most its MAX_PROMPTS_PER_REQUEST prompts."""
+    from pagedrag.client import WarmSummary
+    from pagedrag.server.protocol import MAX_PROMPTS_PER_REQUEST
+
+    client = connect(base_url="http://127.0.0.1:9", max_retries=0)
+    for bad in ({"prompt": "Hello"}, None, 5):
+        with pytest.raises(TypeError, match="warm takes a text or a sequence of texts and conversations"):
+            client.warm(bad)
+    sent = []
+
+    async def post_warm(body):
+        batch = body.get("prompt") or body["conversations"]
+        sent.append(len(batch))
+        return WarmSummary(len(batch), 0, 0)
+
+    async def model_name():
+        return "m"
+
+    monkeypatch.setattr(client, "_post_warm", post_warm)
+    monkeypatch.setattr(client, "_model_name", model_name)
+    conversation = [{"role": "user", "content": "Hello"}]
+    summary = client.warm(["Hello"] * (2 * MAX_PROMPTS_PER_REQUEST + 3) + [conversation])
+    assert sent == [MAX_PROMPTS_PER_REQUEST, MAX_PROMPTS_PER_REQUEST, 3, 1]
+    assert summary.prompts == 2 * MAX_PROMPTS_PER_REQUEST + 4
+
+
 def test_engine_arguments_that_are_dicts_name_one_shared_engine(monkeypatch):
     """speculative_config is a dict (or its JSON text): the integrations pass it through."""
     from pagedrag.client import inprocess

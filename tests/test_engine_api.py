@@ -115,6 +115,15 @@ def test_generate_is_all_or_nothing_on_bad_input(llm):
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
 
 
+def test_what_is_not_a_prompt_is_refused_by_name(llm):
+    for prompts in (None, 5):
+        with pytest.raises(TypeError, match="prompts must be a prompt or a sequence of prompts"):
+            llm.warm(prompts, use_tqdm=False)
+    with pytest.raises(TypeError, match="chat conversation"):
+        llm.warm([[{"role": "user", "content": "hi"}]], use_tqdm=False)
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
+
+
 def test_pool_too_small_for_one_sequence(path):
     with pytest.raises(ValueError, match="fewer than one sequence of max_model_len=256"):
         LLM(path, max_model_len=256, block_size=16, num_gpu_blocks_override=8)

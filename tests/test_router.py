@@ -110,7 +110,8 @@ def test_replica_command_line_keeps_every_flag_but_the_routers():
     add_arguments(parser)
     args = parser.parse_args(["some/model", "--max-model-len", "512", "--no-enable-prefix-caching",
                               "--api-key", "k1", "--api-key", "k2", "--served-model-name", "a", "b",
-                              "--salt-by-api-key", "--data-parallel-size", "2", "--port", "9000"])
+                              "--salt-by-api-key", "--data-parallel-size", "2", "--port", "9000",
+                              "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
     again = parser.parse_args(replica_argv(parser, args, ROUTER_DESTS))
     for name, value in vars(args).items():
         if name not in ROUTER_DESTS:

@@ -467,3 +467,27 @@ def test_serve_subprocess_logs_pool_and_exports_metrics(tmp_path):
     assert "Traceback" not in log_path.read_text()
     assert any(line.startswith("pagedrag:gpu_cache_usage_perc") for line in metrics.splitlines())
     assert "num_cpu_blocks=64" in log_path.read_text()
+
+
+def test_work_is_cancelled_when_the_client_leaves_first():
+    """A client that disconnects before the answer: ClientDisconnected (a 499, logged as such),
+    never an InvalidStateError of the cancelled work read too early."""
+    from pagedrag.server.streams import ClientDisconnected, unless_disconnected
+
+    class LeavingClient:
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    class StayingClient:
+        async def receive(self):
+            await asyncio.sleep(3600)
+
+    async def main():
+        work = asyncio.ensure_future(asyncio.sleep(3600))
+        with pytest.raises(ClientDisconnected):
+            await unless_disconnected(LeavingClient(), work)
+        await asyncio.sleep(0)
+        assert work.cancelled()
+        assert await unless_disconnected(StayingClient(), asyncio.sleep(0, result="done")) == "done"
+
+    asyncio.run(main())

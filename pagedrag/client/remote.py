@@ -27,6 +27,7 @@ import httpx
 import openai
 
 from pagedrag.sampling_params import SamplingParams
+from pagedrag.server.protocol import MAX_PROMPTS_PER_REQUEST
 from pagedrag.client.types import (EngineClient, EngineInfo, Generation, Prompt, TokenLogprob, ToolRequest,
                                    WarmSummary, tier_hits)
 from pagedrag.tools import ToolCall
@@ -102,13 +103,16 @@ class RemoteClient(EngineClient):
 
     async def _warm(self, prompts: list[Prompt], cache_salt: str | None,
                     chunks: tuple[str, ...] | None) -> WarmSummary:
-        """One POST /v1/warm for the texts and one for the conversations (the route takes one
-        kind a call), their figures added up."""
+        """POST /v1/warm for the texts and for the conversations (the route takes one kind a
+        call), at most MAX_PROMPTS_PER_REQUEST prompts a call, one call after another; their
+        figures added up."""
         texts = [prompt for prompt in prompts if isinstance(prompt, str)]
         conversations = [prompt for prompt in prompts if not isinstance(prompt, str)]
         model = await self._model_name()
-        summaries = [await self._post_warm({"model": model, field: batch, **_salt_and_chunks(cache_salt, chunks)})
-                     for field, batch in (("prompt", texts), ("conversations", conversations)) if batch]
+        summaries = [await self._post_warm({"model": model, field: kind[start:start + MAX_PROMPTS_PER_REQUEST],
+                                            **_salt_and_chunks(cache_salt, chunks)})
+                     for field, kind in (("prompt", texts), ("conversations", conversations))
+                     for start in range(0, len(kind), MAX_PROMPTS_PER_REQUEST)]
         return sum(summaries, WarmSummary())
 
     async def _post_warm(self, body: dict[str, Any]) -> WarmSummary:

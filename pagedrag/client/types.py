@@ -289,8 +289,7 @@ class EngineClient(ABC):
         or in another engine on the same disk tier. ``chunks``: the retrieved chunks' texts
         these prompts hold (with chunk reuse, each one's KV is stored for reuse at any position).
         Returns once the engine's tiers hold every block."""
-        prompts = [prompts] if isinstance(prompts, str) else prompts
-        return await self._warm([_checked(prompt) for prompt in prompts], cache_salt, _chunks(chunks))
+        return await self._warm([_checked(prompt) for prompt in _warm_prompts(prompts)], cache_salt, _chunks(chunks))
 
     async def _generate_all(self, checked: Sequence[Prompt], params: SamplingParams, cache_salt: str | None,
                             chunks: tuple[str, ...] | None = None) -> list[Generation]:
@@ -351,6 +350,18 @@ class EngineClient(ABC):
 def _checked(prompt: Any) -> Prompt:
     """A text as it is, a conversation once ``check_conversation`` accepts it."""
     return prompt if isinstance(prompt, str) else _conversation(prompt)
+
+
+def _warm_prompts(prompts: Any) -> list:
+    """warm's prompts as a list: one text, or a sequence of texts and conversations; a TypeError
+    for anything else (a dict would be taken key by key)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"warm takes a text or a sequence of texts and conversations, got {type(prompts).__name__}"
+                        + (" (a prompt dict is pagedrag.LLM.warm's form; pass its text)" if isinstance(prompts, dict)
+                           else ""))
+    return list(prompts)
 
 
 def _chunks(chunks: Any) -> tuple[str, ...] | None:

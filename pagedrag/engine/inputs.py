@@ -201,6 +201,9 @@ class InputProcessor:
         if isinstance(prompt, str):
             return (*self._encode(prompt), None)
         if isinstance(prompt, Sequence):
+            if prompt and isinstance(prompt[0], Mapping) and "role" in prompt[0]:
+                raise TypeError("a chat conversation (a list of messages) is not a prompt here: use LLM.chat, or "
+                                "warm it through pagedrag.client or POST /v1/warm, which take conversations")
             return None, self._token_ids(prompt), None
         raise TypeError(f"a prompt must be a string, a list of token ids or a prompt dict, "
                         f"got {type(prompt).__name__}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from tqdm.auto import tqdm
 
@@ -145,6 +145,8 @@ def _warn_if_failed(output: RequestOutput) -> None:
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be a prompt or a sequence of prompts, got {type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         raise ValueError("pass token ids as {'prompt_token_ids': [...]} (a bare list of ints is ambiguous)")

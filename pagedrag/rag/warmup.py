@@ -26,7 +26,7 @@ async def awarm_chunks(llm: ChunkReuseSettings, prompts: Sequence[Prompt], chunk
     """Warm ``prompts[i]``, the prompt of chunk text ``chunks[i]``, through ``llm``'s client.
 
     Invariant: every prompt is warmed once, in order, batch by batch; the figures are the sum of
-    the batches'. A failing batch raises (those before it stay warm)."""
+    the batches'. A failing batch raises, naming its chunks (those before it stay warm)."""
     if len(prompts) != len(chunks):
         raise ValueError(f"got {len(prompts)} prompts for {len(chunks)} chunks")
     reuse = llm.chunk_reuse_possible
@@ -34,7 +34,11 @@ async def awarm_chunks(llm: ChunkReuseSettings, prompts: Sequence[Prompt], chunk
     with tqdm(total=len(prompts), desc="Warming chunks", unit="chunk", disable=not show_progress) as bar:
         for start in range(0, len(prompts), batch_size):
             batch = slice(start, start + batch_size)
-            total += await llm.client.awarm(prompts[batch], llm.cache_salt, chunks[batch] if reuse else None)
+            try:
+                total += await llm.client.awarm(prompts[batch], llm.cache_salt, chunks[batch] if reuse else None)
+            except (ValueError, TypeError) as error:  # which chunks, out of how many
+                end = min(start + batch_size, len(prompts))
+                raise type(error)(f"warming chunks {start}-{end - 1} of {len(prompts)} (0-based): {error}") from error
             bar.update(len(prompts[batch]))
     return total
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import subprocess
 import sys
@@ -278,6 +279,8 @@ def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, skip
             argv += [item for entry in value for item in (flag, str(entry))]
         elif isinstance(value, list):
             argv += [flag, *map(str, value)]
+        elif isinstance(value, dict):  # a JSON flag (--speculative-config): its text, not Python's repr
+            argv += [flag, json.dumps(value)]
         else:
             argv += [flag, str(value)]
     return argv

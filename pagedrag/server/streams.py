@@ -67,7 +67,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         watch.cancel()
         if not work_task.done():
             work_task.cancel()
-    if work_task.cancelled():
+    if not work_task.done():  # the client left first: the work's cancellation is under way
         raise ClientDisconnected()
     return work_task.result()
 

@@ -53,6 +53,9 @@ class PagedRAGWarmup(BaseDocumentTransformer):
 
     def _prompts(self, documents: Sequence[Document]) -> tuple[list[Prompt], list[str]]:
         """(prompt, reusable block) of each document that has text."""
+        for index, document in enumerate(documents):
+            if not isinstance(document, Document):
+                raise TypeError(f"documents[{index}] must be a langchain Document, got {type(document).__name__}")
         kept = [document for document in documents if normalize_text(document.page_content)]
         return ([context_prompt(self.llm, self.prompt, [document]) for document in kept],
                 [format_reusable_documents([document]) for document in kept])

@@ -56,3 +56,9 @@ def test_blank_documents_are_skipped_and_a_bad_batch_size_refused(chat):
     assert PagedRAGWarmup(chat, show_progress=False).transform_documents([Document(page_content=" \n")])
     with pytest.raises(ValueError, match="batch_size"):
         PagedRAGWarmup(chat, batch_size=0)
+    with pytest.raises(TypeError, match=r"documents\[1\] must be a langchain Document, got str"):
+        PagedRAGWarmup(chat, show_progress=False).transform_documents([Document(page_content="x"), "a text"])
+    too_long = Document(page_content="word " * (2 * chat.client.info().max_model_len))
+    with pytest.raises(ValueError, match="warming chunks 2-2 of 3"):
+        PagedRAGWarmup(chat, batch_size=2, show_progress=False).transform_documents(
+            [Document(page_content="a"), Document(page_content="b"), too_long])

@@ -59,6 +59,11 @@ def test_response_format_json_schema_and_json_object(client):
     reply = chat(client, response_format={"type": "json_object"}, max_tokens=300, n=2, temperature=0.7, seed=3)
     assert all(isinstance(json.loads(c.message.content), (dict, list))
                for c in reply.choices if c.finish_reason == "stop")
+    # the completions route takes it too, as vLLM's does (not ignored)
+    completion = client.completions.create(model=MODEL, prompt="A document's grade as JSON:", max_tokens=160,
+                                           temperature=0, extra_body={"response_format": {
+                                               "type": "json_schema", "json_schema": {"name": "grade", "schema": schema}}})
+    jsonschema.validate(json.loads(completion.choices[0].text), schema)
 
 
 @pytest.mark.parametrize("extra, check", [

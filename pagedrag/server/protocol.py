@@ -7,8 +7,8 @@ Every string must be valid UTF-8 (no lone surrogates). Unknown fields are ignore
 with a logged warning, as OpenAI-compatible servers do; known fields this server
 cannot honour (echo, suffix, the deprecated functions, ...) are rejected rather than
 silently ignored. An explicit null means "the default". Structured outputs come as
-vLLM's ``structured_outputs`` or its older ``guided_*`` fields, or (chat) OpenAI's
-``response_format``: at most one of them per request.
+vLLM's ``structured_outputs`` or its older ``guided_*`` fields, or OpenAI's
+``response_format`` (on both routes, as vLLM takes it): at most one of them per request.
 
 pagedrag's own extensions, for chunk reuse (``--enable-chunk-reuse``):
 
@@ -131,6 +131,7 @@ class SamplingRequest(StrictRequest):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None  # only xgrammar (or auto) is served
+    response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object or json_schema
     prompt_chunks: list[str] | None = Field(None, max_length=MAX_PROMPT_CHUNKS)  # pagedrag's: see the module doc
     speculative_decoding: bool = True  # pagedrag's: false keeps the request from drafting (speculative_config)
 
@@ -203,6 +204,9 @@ class SamplingRequest(StrictRequest):
         if self.guided_whitespace_pattern is not None:
             raise ValueError("guided_whitespace_pattern is an outlines option that xgrammar does not take; "
                              "use structured_outputs.disable_any_whitespace for compact JSON")
+        constraint = response_format_fields(self.response_format)
+        if constraint is not None:
+            sources["response_format"] = constraint
         return sources
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -290,7 +294,6 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -346,13 +349,6 @@ class ChatCompletionRequest(SamplingRequest):
     def conversation(self) -> list[dict]:
         """The messages as the engine takes them (pagedrag.engine.inputs joins text parts)."""
         return [message.model_dump(exclude_none=True) for message in self.messages]
-
-    def _constraint_sources(self) -> dict[str, dict]:
-        sources = super()._constraint_sources()
-        constraint = response_format_fields(self.response_format)
-        if constraint is not None:
-            sources["response_format"] = constraint
-        return sources
 
 
 # ---- responses ------------------------------------------------------------------

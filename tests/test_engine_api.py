@@ -115,6 +115,13 @@ def test_generate_is_all_or_nothing_on_bad_input(llm):
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
 
 
+def test_reset_prefix_cache_answers_as_vllms_does(llm):
+    llm.generate({"prompt_token_ids": ids(0, 40)}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert llm.llm_engine.cached_prefix_len(ids(0, 40)) > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.llm_engine.cached_prefix_len(ids(0, 40)) == 0
+
+
 def test_what_is_not_a_prompt_is_refused_by_name(llm):
     for prompts in (None, 5):
         with pytest.raises(TypeError, match="prompts must be a prompt or a sequence of prompts"):

@@ -93,9 +93,11 @@ class LLM:
         return {"prompts": len(outputs), "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
                 "cached_tokens": sum(o.num_cached_tokens + o.num_chunk_hit_tokens for o in outputs)}
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (for measurements that start cold)."""
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (for measurements that start cold). True, as vLLM's answers
+        on success: here it always succeeds (blocks still in use keep their data, not their hash)."""
         self.llm_engine.reset_prefix_cache()
+        return True
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:

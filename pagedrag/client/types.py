@@ -357,10 +357,11 @@ def _warm_prompts(prompts: Any) -> list:
     for anything else (a dict would be taken key by key)."""
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, (bytes, dict)) or not isinstance(prompts, Sequence):
-        raise TypeError(f"warm takes a text or a sequence of texts and conversations, got {type(prompts).__name__}"
-                        + (" (a prompt dict is pagedrag.LLM.warm's form; pass its text)" if isinstance(prompts, dict)
-                           else ""))
+    if isinstance(prompts, dict):
+        raise TypeError("warm takes a text or a sequence of texts and conversations, got a dict "
+                        "(a prompt dict is pagedrag.LLM.warm's form; pass its text)")
+    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+        raise TypeError(f"warm takes a text or a sequence of texts and conversations, got {type(prompts).__name__}")
     return list(prompts)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 
 import torch
 
@@ -28,10 +27,10 @@ def build_tiers(args: EngineArgs, weights: str, config, shape, device: torch.dev
     if not args.uses_kv_tiers:
         return None
     tp_size = args.tensor_parallel_size
-    keyspace = KeySpace(weights, config_fingerprint(config), str(shape.dtype), device.type, shape.block_size, shape.num_layers,
-                        shape.num_kv_heads * tp_size, shape.head_dim, tp_size).fingerprint
+    keyspace = KeySpace(weights, config_fingerprint(config), str(shape.dtype), device.type, shape.block_size,
+                        shape.num_layers, shape.num_kv_heads * tp_size, shape.head_dim, tp_size).fingerprint
     block = (shape.num_layers, 2, shape.block_size, shape.num_kv_heads * tp_size, shape.head_dim)
-    block_bytes = math.prod(block) * shape.dtype.itemsize
+    block_bytes = shape.bytes_per_block * tp_size  # a stored block holds every rank's heads
     stores = []
     if args.kv_offloading_size:
         _check_holds_a_block("kv_offloading_size", args.kv_offloading_size, block_bytes)

@@ -1,8 +1,9 @@
 """What a stored KV block's values depend on, beyond its chained block hash.
 
 A block hash (core.block_hash) names the tokens (and the tenant's salt) a block holds. The
-values in it also depend on the weights and the model's configuration, the dtype, the block size, the KV layout, the
-device's kernels and the tensor-parallel size (the order of its all-reduces' sums). A stored
+values in it also depend on the weights and the model's configuration, the dtype, the block
+size, the KV layout, the device's kernels and the tensor-parallel size (the order of its
+all-reduces' sums). A stored
 block holds every rank's KV heads (under tensor parallelism rank 0 gathers them), so no rank
 holds a part of a block another rank lacks. ``KeySpace`` digests all of them into one
 fingerprint; a stored block's key is ``block_key(keyspace, block_hash)``.

@@ -38,7 +38,8 @@ async def awarm_chunks(llm: ChunkReuseSettings, prompts: Sequence[Prompt], chunk
                 total += await llm.client.awarm(prompts[batch], llm.cache_salt, chunks[batch] if reuse else None)
             except (ValueError, TypeError) as error:  # which chunks, out of how many
                 end = min(start + batch_size, len(prompts))
-                raise type(error)(f"warming chunks {start}-{end - 1} of {len(prompts)} (0-based): {error}") from error
+                kind = TypeError if isinstance(error, TypeError) else ValueError
+                raise kind(f"warming chunks {start}-{end - 1} of {len(prompts)} (0-based): {error}") from error
             bar.update(len(prompts[batch]))
     return total
 

@@ -10,6 +10,7 @@ identical on every call; biases and norm weights are perturbed away from their
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -72,6 +73,8 @@ def make_tiny_model(tmp_path: Path, arch: str, seed: int = 0, **overrides) -> Pa
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb_vectors(model)
     suffix = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    if len(suffix) > 80:  # nested overrides (rope parameters) make names past the file system's limit
+        suffix = hashlib.sha256(suffix.encode()).hexdigest()[:16]
     path = Path(tmp_path) / f"tiny-{arch}{'-' + suffix if suffix else ''}-{seed}"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -13,10 +13,11 @@ Invariants:
   transformers' own ``ROPE_INIT_FUNCTIONS``, from the config. For the
   "dynamic" and "longrope" types this is the state HF starts in (the original
   context length); the per-length switching HF does at run time is left out
-  because a graph needs static frequencies.
-- ``sliding_window`` (Mistral, some Qwen2 configs) is ignored: every token
-  attends to its whole context. Results match HF while sequences stay within
-  the window; past it they differ.
+  because a graph needs static frequencies, so pagedrag.models.context_limit keeps
+  sequences where that state is HF's.
+- Every token attends to its whole context: a sliding window (Mistral, Qwen2/3 configs
+  with ``use_sliding_window``) is not applied, so pagedrag.models.context_limit keeps
+  sequences within the window, where the two are the same.
 - Norms, rotary embedding and the MLP activation run through ``meta.ops``, like
   attention: the torch references on CPU, fused Triton kernels on CUDA.
 - Under tensor parallelism (``group.size`` N > 1) each rank holds 1/N of the heads, KV
@@ -76,12 +77,15 @@ class Variant:
 
     @classmethod
     def of(cls, config: PretrainedConfig) -> Variant:
-        """Qwen2 always has q/k/v biases; Qwen3 normalizes q and k per head; the
-        others follow ``attention_bias`` / ``mlp_bias`` (absent means False)."""
+        """Qwen2 always has q/k/v biases; Qwen3 normalizes q and k per head; Mistral has no
+        bias whatever its config says (as HF builds it); Llama follows ``attention_bias`` /
+        ``mlp_bias`` (absent means False)."""
         arch = architecture_of(config)
         bias = bool(getattr(config, "attention_bias", False))
         if arch == "Qwen2ForCausalLM":
             return cls(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
+        if arch == "MistralForCausalLM":
+            return cls(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
         if arch == "Qwen3ForCausalLM":
             return cls(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
         return cls(qkv_bias=bias, o_bias=bias,

@@ -13,7 +13,7 @@ Where a model comes from (``resolve_checkpoint``):
 - otherwise a Hugging Face hub name, downloaded through huggingface_hub
   (pagedrag.models.hub: revision, download_dir, HF_TOKEN, HF_HUB_OFFLINE).
 
-Weights are read tensor by tensor from *.safetensors, or from PyTorch *.bin files
+Weights are read tensor by tensor from *.safetensors, or from PyTorch pytorch_model*.bin files
 where a checkpoint has no safetensors (no HF model is built), and
 copied into a model whose parameters were allocated, uninitialized, directly on
 the target device in the target dtype. Loading fails unless every parameter
@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -33,11 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig,
                           PreTrainedTokenizerBase)
 
+from pagedrag.models import context_limit
 from pagedrag.models.embedded import embedded_gguf
 from pagedrag.models.hub import HubOptions, hub_snapshot
 from pagedrag.distributed.group import SINGLE, TensorParallelGroup
@@ -67,7 +69,7 @@ class LoadedModel:
     """A model ready for the runner plus what the engine needs around it.
 
     ``tokenizer`` is None only for dummy weights built from a config object.
-    ``eos_token_ids`` unites generation_config, config and tokenizer EOS ids.
+    ``eos_token_ids``: generation_config's EOS ids (else the config's) and the tokenizer's.
     ``sampling_defaults`` are SamplingParams fields from the model's generation_config.
     ``quantization`` is the resolved method (pagedrag.models.lowbit.methods).
     """
@@ -117,6 +119,7 @@ def load_model(model: str | None = None, *, dtype: torch.dtype, device: torch.de
     else:
         path, config = model_config(model, source)
     architecture_of(config)  # fail on unsupported or unsplittable models before allocating anything
+    _check_unquantized(config)
     check_splittable(config, group.size)
     module = _empty_model(config, dtype, torch.device(device), group)
     if load_format == "dummy":
@@ -128,9 +131,20 @@ def load_model(model: str | None = None, *, dtype: torch.dtype, device: torch.de
     return LoadedModel(
         module=module, hf_config=config, tokenizer=tokenizer,
         name=_display_name(model, config, path),
-        max_model_len=_max_model_len(config, max_model_len),
+        max_model_len=context_limit.max_model_len(config, max_model_len),
         eos_token_ids=eos_token_ids(config, path, tokenizer),
         sampling_defaults=sampling_defaults(model, path), quantization=method)
+
+
+def _check_unquantized(config: PretrainedConfig) -> None:
+    """ValueError for a checkpoint quantized by a method of transformers' (FP8, GPTQ, AWQ,
+    bitsandbytes...): its weights are not plain tensors pagedrag can load."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) \
+            else getattr(quantization, "quant_method", "unknown")
+        raise ValueError(f"checkpoints quantized with quant_method={str(method)!r} are not supported: "
+                         "load the unquantized checkpoint (quantization='gguf' quantizes on CPU)")
 
 
 def model_config(model: str | None, source: ModelSource = ModelSource()) -> tuple[Path, PretrainedConfig]:
@@ -330,27 +344,36 @@ def load_weights(module: LlamaForCausalLM, folder: Path, group: TensorParallelGr
 
 def _checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight, one at a time: from *.safetensors, else from PyTorch
-    *.bin files (read with weights_only=True, memory-mapped: no code from the file runs)."""
+    pytorch_model*.bin files (read with weights_only=True, memory-mapped: no code from the file
+    runs). A file that cannot be read is a ValueError naming it."""
     for file in _weight_files(folder, "model.safetensors.index.json", "*.safetensors"):
-        with safe_open(file, framework="pt") as tensors:
-            for name in tensors.keys():
-                yield name, tensors.get_tensor(name)
-    for file in _weight_files(folder, "pytorch_model.bin.index.json", "*.bin"):
-        yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+        try:
+            with safe_open(file, framework="pt") as tensors:
+                for name in tensors.keys():
+                    yield name, tensors.get_tensor(name)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as error:
+            raise ValueError(f"cannot read the weights file {file}: {error}") from error
+    for file in _weight_files(folder, "pytorch_model.bin.index.json", "pytorch_model*.bin"):
+        try:
+            tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as error:
+            raise ValueError(f"cannot read the weights file {file}: {error}") from error
+        yield from tensors.items()
 
 
 def _weight_files(folder: Path, index_name: str, pattern: str) -> list[Path]:
-    """One format's shards: those its index names, else every file matching ``pattern``;
-    no .bin file when safetensors exist."""
-    if pattern == "*.bin" and any(folder.glob("*.safetensors")):
+    """One format's shards: those its index names, else every file matching ``pattern``
+    (``pytorch_model*.bin``, as HF reads them: a Trainer's training_args.bin or optimizer files
+    beside them are not weights); no .bin file when safetensors exist."""
+    if pattern.endswith(".bin") and any(folder.glob("*.safetensors")):
         return []
     index = folder / index_name
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return sorted({folder / shard for shard in weight_map.values()})
     files = sorted(folder.glob(pattern))
-    if pattern == "*.bin" and not files and not any(folder.glob("*.safetensors")):
-        raise FileNotFoundError(f"no *.safetensors or *.bin weights in {folder}")
+    if pattern.endswith(".bin") and not files:
+        raise FileNotFoundError(f"no *.safetensors or {pattern} weights in {folder}")
     return files
 
 
@@ -375,10 +398,13 @@ def _target_of(module: LlamaForCausalLM, params: dict[str, nn.Parameter],
 
 def eos_token_ids(config: PretrainedConfig, path: Path | None,
                   tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
-    """Every id that ends generation per generation_config.json, the config or the tokenizer."""
-    sources = [getattr(config, "eos_token_id", None)]
+    """Every id that ends generation: generation_config.json's EOS ids (the config's where that
+    file names none, as HF's generate reads them), and the tokenizer's EOS (as vLLM stops)."""
+    model_eos = getattr(config, "eos_token_id", None)
     if path is not None and (path / "generation_config.json").is_file():
-        sources.append(GenerationConfig.from_pretrained(path).eos_token_id)
+        generation_eos = GenerationConfig.from_pretrained(path).eos_token_id
+        model_eos = model_eos if generation_eos is None else generation_eos
+    sources = [model_eos]
     if tokenizer is not None:
         sources.append(tokenizer.eos_token_id)
     ids: set[int] = set()
@@ -388,15 +414,6 @@ def eos_token_ids(config: PretrainedConfig, path: Path | None,
         elif source is not None:
             ids.update(source)
     return ids
-
-
-def _max_model_len(config: PretrainedConfig, requested: int | None) -> int:
-    """``requested`` if given (at most max_position_embeddings), else max_position_embeddings."""
-    limit = config.max_position_embeddings
-    if requested is not None and requested > limit:
-        raise ValueError(f"max_model_len {requested} exceeds the model's "
-                         f"max_position_embeddings {limit}")
-    return requested if requested is not None else limit
 
 
 def _display_name(model: str | None, config: PretrainedConfig, path: Path | None) -> str:

@@ -17,7 +17,8 @@ import pytest
 
 from model_fixtures import make_tokenizer
 from pagedrag import SamplingParams, StructuredOutputsParams
-from pagedrag.structured.compiler import GrammarCompiler
+from pagedrag.structured.compiler import GrammarCompiler, choice_grammar
+from pagedrag.structured.schema_support import ASCII_CLASSES, LITERAL_ESCAPES, check_regex
 
 # The keywords of draft 2020-12's vocabularies (core, applicator, unevaluated, validation,
 # meta-data, format-annotation, content), and draft-07 names xgrammar also reads.
@@ -76,6 +77,18 @@ CASES = [
     refused("$ref", {"$defs": {"i": {"$anchor": "i", **INT}}, "$ref": "#i"}),
     refused("$ref", {"$ref": "https://example.com/schema.json"}),
     refused("maximum", {"$defs": {"i": INT}, "$ref": "#/$defs/i", "maximum": 3}),
+    # a $ref target is checked wherever it sits (xgrammar reads it, and drops what it does not enforce)
+    refused("not", {"components": {"schemas": {"Pet": {"type": "object", "properties": {
+        "age": {"type": "integer", "not": {"const": 3}}}}}}, "$ref": "#/components/schemas/Pet"},
+        "$.components.schemas.Pet.properties.age"),
+    refused("minimum", {"x-defs": {"N": {"minimum": 5, "maximum": 6}}, "type": "object",
+                        "properties": {"n": {"$ref": "#/x-defs/N"}}}, "$.x-defs.N"),
+    refused("not", {"then": {"type": "integer", "not": {"const": 3}}, "$ref": "#/then"}, "$.then"),
+    enforced("maxLength", {"x-defs": {"S": {"type": "string", "maxLength": 3}}, "$ref": "#/x-defs/S"},
+             ['"abc"'], ['"abcd"']),
+    enforced("$ref", {"x-defs": {"T": {"type": "object", "properties": {"c": {"$ref": "#/x-defs/T"}}}},
+                      "$ref": "#/x-defs/T"}, ['{"c":{"c":{}}}'], ['{"c":1}']),
+    enforced("$ref", {"x-list": [INT], "$ref": "#/x-list/0"}, ["1"], ['"x"']),
     annotation("$anchor", {"$anchor": "here", **INT}, ["1"]),
     refused("$dynamicRef", {"$dynamicAnchor": "n", "type": "object",
                             "properties": {"c": {"$dynamicRef": "#n"}}}, "$.properties.c"),
@@ -127,6 +140,9 @@ CASES = [
                        "oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]},
              ['{"k":"a","x":1}', '{"k":"b","y":"s"}'], ['{"k":"a","y":"s"}']),
     refused("oneOf", {"oneOf": [INT, {"type": "number"}]}),
+    refused("oneOf", {"oneOf": [{"const": 1}, {"const": 1.0}]}),  # one value to JSON Schema
+    refused("oneOf", {"oneOf": [{"enum": [1, 2]}, {"enum": [2.0, 3]}]}),
+    enforced("oneOf", {"oneOf": [{"const": 1}, {"const": True}]}, ["1", "true"], ["2"]),
     refused("not", {"type": "integer", "not": {"const": 3}}),
     # unevaluated
     enforced("unevaluatedItems", {"type": "array", "prefixItems": [INT], "unevaluatedItems": STR}, ['[1,"x"]'],
@@ -149,9 +165,21 @@ CASES = [
     enforced("minimum", {"type": "number", "minimum": -1.5}, ["-1.5"], ["-2", "-1e5"]),
     refused("minimum", {"minimum": 3}),
     enforced("exclusiveMinimum", {"type": "number", "exclusiveMinimum": 1.5}, ["1.6"], ["1.5", "1"]),
+    # xgrammar writes at most 6 decimals: a range holding no such number would compile to empty text
+    enforced("minimum", {"type": "number", "minimum": 5e-7, "maximum": 1.5e-6}, ["0.000001"], ["0.000002", "0"]),
+    enforced("exclusiveMinimum", {"type": "number", "exclusiveMinimum": 1, "exclusiveMaximum": 1.000002},
+             ["1.000001"], ["1", "1.000002"]),
+    refused("minimum", {"type": "object", "properties": {"lr": {"type": "number", "minimum": 1e-7, "maximum": 5e-7}}},
+            "$.properties.lr"),
+    refused("exclusiveMinimum", {"type": "number", "exclusiveMinimum": 1, "exclusiveMaximum": 1.0000001}),
+    refused("minimum", {"type": ["number", "null"], "minimum": 1e-7, "maximum": 5e-7}),
+    refused("exclusiveMinimum", {"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}),
+    refused("minimum", {"type": "number", "minimum": 5, "maximum": 3}),
     # validation: strings
     enforced("maxLength", {"type": "string", "maxLength": 1}, ['"é"'], ['"ab"']),
     enforced("minLength", {"type": "string", "minLength": 2}, ['"ab"'], ['"é"']),
+    enforced("maxLength", {"type": ["string", "null"], "maxLength": 1}, ['"👍"', "null"], ['"ab"', "1"]),
+    enforced("maxLength", {"type": "string", "minLength": 1, "maxLength": 3}, ['"abc"'], ['""', '"abcd"']),
     refused("maxLength", {"maxLength": 2}),
     refused("minLength", {"type": "string", "pattern": "^a+$", "minLength": 3}),
     refused("maxLength", {"type": "string", "format": "uri", "maxLength": 12}),
@@ -187,6 +215,9 @@ CASES = [
              ['{"x":1,"y":2}']),
     enforced("minProperties", {**OBJ, "minProperties": 1}, ['{"a":1}'], ["{}"]),
     enforced("required", {**OBJ, "required": ["a"]}, ['{"a":1}'], ['{"b":1}']),
+    # xgrammar makes only named properties mandatory
+    refused("required", {"type": "object", "properties": {"id": INT}, "required": ["id", "name"]}),
+    refused("required", {"type": "object", "required": ["default"], "additionalProperties": INT}),
     refused("dependentRequired", {**OBJ, "dependentRequired": {"a": ["b"]}}),
     # meta-data
     *(annotation(keyword, {keyword: value, **INT}, ["1", "7"]) for keyword, value in [
@@ -310,3 +341,42 @@ def test_unsupported_regex_features_are_named(compiler, regex, feature):
 def test_grammar_errors_are_clear_value_errors(compiler, grammar, message):
     with pytest.raises(ValueError, match=f"grammar cannot be compiled: .*{re.escape(message)}"):
         compiler.compile(StructuredOutputsParams(grammar=grammar))
+
+
+@pytest.mark.parametrize("schema, text", [
+    ({"type": "string", "maxLength": 10}, '"a\tb\x01"'),
+    ({"type": "object", "properties": {"n": {"type": "string", "minLength": 1}}, "required": ["n"]},
+     '{"n":"\x1b[0m"}'),
+    ({"type": ["string", "null"], "maxLength": 3}, '"\x00"'),
+    ({"type": "object", "propertyNames": {"maxLength": 3}, "additionalProperties": INT}, '{"\x00":1}'),
+])
+def test_length_bounded_strings_hold_no_raw_control_characters(compiler, schema, text):
+    """xgrammar's own length bound admits raw control characters (not JSON); pagedrag
+    narrows its character class (compiler.json_grammar)."""
+    assert not accepts(compiler, StructuredOutputsParams(json=schema), text)
+
+
+@pytest.mark.parametrize("letter", sorted(LITERAL_ESCAPES | set(ASCII_CLASSES)))
+def test_regex_escapes_xgrammar_reads_otherwise_are_refused(letter):
+    """xgrammar matches an unknown escape (\\Z, \\A, ...) as the letter itself, and reads
+    \\W, \\D and \\S as ASCII classes, wider than the validator's Unicode ones."""
+    with pytest.raises(ValueError, match=rf"keyword 'pattern' at \$: .*'\\{letter}'"):
+        StructuredOutputsParams(json={"type": "string", "pattern": f"^a\\{letter}$"})
+    with pytest.raises(ValueError, match=rf"keyword 'patternProperties' at \$: .*'\\{letter}'"):
+        StructuredOutputsParams(json={"type": "object", "patternProperties": {f"[\\{letter}]": INT}})
+
+
+@pytest.mark.parametrize("pattern", ["^a\\\\Z$", "^\\d\\w\\s\\.$", "^[\\x41-\\x5a]\\n\\t$"])
+def test_regex_escapes_xgrammar_reads_as_the_validator_does_pass(pattern):
+    check_regex(pattern, "test")
+
+
+def test_choice_keeps_characters_past_ascii_and_escapes_the_rest(compiler):
+    """An emoji is its UTF-8 bytes, not two surrogate escapes; quotes, backslashes and
+    control characters are exact; a lone surrogate is a ValueError."""
+    choices = ["\U0001F44D yes", 'say "hi"', "a\\b", "tab\there\x01", "no"]
+    params = StructuredOutputsParams(choice=choices)
+    for choice in choices:
+        assert accepts(compiler, params, choice), choice
+    with pytest.raises(ValueError, match="lone surrogate"):
+        choice_grammar(["\ud800"])

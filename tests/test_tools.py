@@ -154,6 +154,49 @@ def test_required_calls_are_written_name_first(required_plan):
     assert list(order) == ["name", "arguments"]
 
 
+NAMED_F = {"type": "function", "function": {"name": "f"}}
+
+
+def test_required_rebases_refs_in_schemas_only(compiler):
+    """A "$ref" key inside data (a const) is the value the schema names, not a reference:
+    only schemas (subschemas and $ref targets, wherever they sit) are rebased."""
+    pointer = {"$ref": "#/definitions/Pet"}
+    parameters = {"type": "object", "properties": {"ptr": {"const": pointer}, "n": {"$ref": "#/x-defs/N"}},
+                  "required": ["ptr", "n"], "additionalProperties": False,
+                  "x-defs": {"N": {"$ref": "#/x-defs/M"}, "M": {"type": "integer"}}}
+    plan = plan_tools([tool("link", parameters)], "required")
+    text = '[{"name": "link", "arguments": {"ptr": {"$ref":"#/definitions/Pet"}, "n": 1}}]'  # xgrammar's const
+    assert accepts(compiler, plan.structured_outputs(), text)
+    assert not accepts(compiler, plan.structured_outputs(), text.replace("1}}]", '"x"}}]'))
+    assert plan.tools[0]["function"]["parameters"]["properties"]["ptr"]["const"] == pointer
+
+
+@pytest.mark.parametrize("parameters", [
+    {"$id": "https://example.com/args", "type": "object", "properties": {"q": {"type": "string", "enum": ["a"]}}},
+    {"$ref": "#/definitions/A", "definitions": {"A": obj({"q": {"type": "string", "enum": ["a"]}})}},
+    {"anyOf": [obj({"q": {"type": "string", "enum": ["a"]}}, ["q"]), obj({"r": {"type": "integer"}}, ["r"])]},
+], ids=["root-id", "root-ref", "root-anyOf"])
+def test_parameters_with_a_root_id_ref_or_anyof_work_named_and_required(compiler, parameters):
+    """A root $id is an annotation for either choice; a root $ref / anyOf gets no "type"
+    beside it (the grammar would drop it), its alternatives being objects already."""
+    for choice in (NAMED_F, "required"):
+        plan = plan_tools([tool("f", parameters)], choice)
+        text = call_text(plan, [("f", {"q": "a"})]) if choice == "required" else json.dumps({"q": "a"})
+        assert accepts(compiler, plan.structured_outputs(), text), (choice, text)
+        assert not accepts(compiler, plan.structured_outputs(), text.replace('"a"', '"b"')), choice
+
+
+@pytest.mark.parametrize("parameters", [
+    {"$ref": "#/definitions/S", "definitions": {"S": {"type": "string"}}},
+    {"anyOf": [obj({}), {"type": "integer"}]},
+    {"$ref": "#"},
+])
+def test_parameters_whose_root_ref_or_anyof_allows_non_objects_are_refused(parameters):
+    with pytest.raises(ValueError, match="must be the schema of an object: its root '(\\$ref|anyOf)' must allow "
+                                         "only objects"):
+        plan_tools([tool("f", parameters)], NAMED_F)
+
+
 def test_forced_output_that_does_not_parse_is_content():
     named = plan_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     required = plan_tools([WEATHER], "required")

@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 
 from pagedrag.structured.params import StructuredOutputsParams
+from pagedrag.text_checks import check_utf8
 
 CACHE_ENTRIES = 512  # compiled grammars kept, least recently used first out
 # JSON may hold free whitespace between tokens (as vLLM's default), but at most this many
@@ -23,6 +24,10 @@ CACHE_ENTRIES = 512  # compiled grammars kept, least recently used first out
 # can no longer fill max_tokens with newlines.
 MAX_JSON_WHITESPACE = 16
 ANY_OBJECT = '{"type": "object"}'
+# xgrammar 0.2.9's rule for one character of a length-bounded string, as it prints it, and
+# the character JSON holds unescaped that replaces it (compiler.json_grammar)
+BOUNDED_STRING_CHARACTER = re.compile(r'^(\S+ ::= )\(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
+JSON_STRING_CHARACTER = r'(([^\0-\x1f\"\\]))'
 
 
 class GrammarCompiler:
@@ -68,8 +73,7 @@ class GrammarCompiler:
         kind = params.kind
         try:
             if kind == "json":
-                return compiler.compile_json_schema(params.json, any_whitespace=not params.disable_any_whitespace,
-                                                    max_whitespace_cnt=MAX_JSON_WHITESPACE)
+                return compiler.compile_grammar(json_grammar(params.json, not params.disable_any_whitespace))
             if kind == "json_object":  # an object, as OpenAI and vLLM mean it (not any JSON value)
                 return compiler.compile_json_schema(ANY_OBJECT, max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if kind == "regex":
@@ -95,10 +99,30 @@ class GrammarCompiler:
             return self._compiler
 
 
+def json_grammar(schema: str, any_whitespace: bool) -> str:
+    """xgrammar's EBNF grammar for a JSON schema, with the character of its length-bounded
+    strings narrowed to what JSON holds unescaped.
+
+    xgrammar writes ``minLength`` / ``maxLength`` as a rule of one character
+    ``[^"\\\r\n]`` repeated m to n times, which admits raw control characters (a tab,
+    \x01, ESC): text that is not JSON. Each such rule here excludes every control
+    character (U+0000-U+001F), as xgrammar's unbounded strings do; quotes and backslashes
+    stay out, so the string's characters are its raw text and the bound counts them.
+    """
+    import xgrammar
+    grammar = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace,
+                                                   max_whitespace_cnt=MAX_JSON_WHITESPACE))
+    return BOUNDED_STRING_CHARACTER.sub(lambda rule: rule[1] + JSON_STRING_CHARACTER, grammar)
+
+
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose sentences are exactly ``choices`` (JSON string escapes are
-    EBNF string escapes)."""
-    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+    EBNF string escapes). Characters past ASCII stay themselves: an escaped one outside
+    the BMP would be two surrogate escapes, which xgrammar reads as two characters (bytes
+    no UTF-8 text holds). A lone surrogate is a ValueError: no UTF-8 text holds it."""
+    for choice in choices:
+        check_utf8("a choice", choice)
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
 def _kind_name(params: StructuredOutputsParams) -> str:

@@ -9,9 +9,10 @@ both are objects that require one property whose ``const`` / ``enum`` values do 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
+
+from pagedrag.structured.json_values import value_key
 
 
 def overlapping_pair(branches: list, root: Any) -> tuple[int, int] | None:
@@ -29,25 +30,40 @@ def resolve(schema: Any, root: Any) -> Any:
     resolve is left as it is (compiling it fails)."""
     seen = 0
     while isinstance(schema, Mapping) and isinstance(schema.get("$ref"), str) and seen < 64:
-        target = _pointer(root, schema["$ref"])
+        target = pointer(root, schema["$ref"])
         if target is None:
             return schema
         schema, seen = target, seen + 1
     return schema
 
 
-def _pointer(root: Any, ref: str) -> Any:
+def pointer(root: Any, ref: str) -> Any:
+    """The value a local JSON pointer ``ref`` ("#" or "#/...") names in ``root``; None when
+    it names none."""
+    found = locate(root, ref)
+    return None if found is None else found[1]
+
+
+def locate(root: Any, ref: str) -> tuple[tuple[str | int, ...], Any] | None:
+    """(its steps from ``root``, the value) for a local JSON pointer ``ref``, as xgrammar
+    reads it: "~1" is "/", "~0" is "~", and a step into a list is an index (a step an int).
+    None when ``ref`` is not local or names nothing."""
     if ref == "#":
-        return root
+        return (), root
     if not ref.startswith("#/"):
         return None
-    node = root
+    node, steps = root, []
     for part in ref[2:].split("/"):
         part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(node, Mapping) or part not in node:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            step = int(part)
+        elif isinstance(node, Mapping) and part in node:
+            step = part
+        else:
             return None
-        node = node[part]
-    return node
+        node = node[step]
+        steps.append(step)
+    return tuple(steps), node
 
 
 def _disjoint(a: Any, b: Any, root: Any) -> bool:
@@ -71,10 +87,11 @@ def _types(schema: Mapping) -> set[str] | None:
 
 
 def _values(schema: Mapping) -> set[str] | None:
+    """The values a const / enum allows, as ``value_key`` s (1 and 1.0 are one value)."""
     if "const" in schema:
-        return {json.dumps(schema["const"], sort_keys=True)}
+        return {value_key(schema["const"])}
     if isinstance(schema.get("enum"), list):
-        return {json.dumps(value, sort_keys=True) for value in schema["enum"]}
+        return {value_key(value) for value in schema["enum"]}
     return None
 
 

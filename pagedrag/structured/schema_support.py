@@ -5,7 +5,12 @@ Invariant: every constraint keyword of a schema that ``check_schema`` passes is 
 by xgrammar where it stands, so each output the grammar allows validates against the
 schema; any other constraint keyword is a ValueError naming the keyword and its JSON path
 (``$.properties.tags``). Keywords that constrain nothing (annotations, identifiers,
-formats no validator knows, keywords unknown to 2020-12) pass. The rules come from
+formats no validator knows, keywords unknown to 2020-12) pass. The check reads every
+schema xgrammar reads: the subschemas at their positions (``subschemas``) and whatever a
+local ``$ref`` names, wherever it sits (``schema_nodes``). The unique_items rewrite runs
+before it (params._schema_text); what it leaves of uniqueItems is refused. minLength /
+maxLength hold JSON's string rules through the compiler (compiler.py: xgrammar's own
+bounded strings admit raw control characters). The rules come from
 experiments on xgrammar 0.2.9: tests/test_schema_keywords.py holds them, keyword by
 keyword; docs/structured_outputs_keywords.md is the table.
 """
@@ -13,10 +18,11 @@ keyword; docs/structured_outputs_keywords.md is the table.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, localcontext
 from typing import Any
 
-from pagedrag.structured.schema_oneof import overlapping_pair
+from pagedrag.structured.schema_oneof import locate, overlapping_pair
 
 # Constraints the backend never enforces (it ignores them), with why they are refused.
 NEVER = {
@@ -44,16 +50,46 @@ ENFORCED_FORMATS = frozenset({
     "uri-template", "uuid", "json-pointer", "relative-json-pointer"})
 UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
 JSON_TYPES = {"null": type(None), "boolean": bool, "object": Mapping, "array": list, "string": str}
+# Decimal places of the numbers xgrammar writes for a bounded "number" (0 for "integer").
+NUMBER_PLACES = {"number": 6, "integer": 0}
+# Letters xgrammar reads after a backslash as the letter itself (with only a warning).
+LITERAL_ESCAPES = frozenset("ghijlmoqyzACEFGHIJKLMNOQRTUVXYZ")
+# Classes xgrammar reads as ASCII: broader than the validator's Unicode ones (Python's re).
+ASCII_CLASSES = {"W": "[^a-zA-Z0-9_]", "D": "[^0-9]", "S": "[^ \\t\\n\\r\\f\\v]"}
 
 
 def check_schema(schema: Any) -> None:
     """Raise ValueError for the first constraint of ``schema`` the backend would not enforce."""
-    pending = [(schema, "$")]
+    for node, steps, keyword in schema_nodes(schema):
+        if keyword == "propertyNames":
+            node = {"type": "string", **node}  # it applies to names: strings, whether or not it says so
+        _check_node(node, json_path(steps), schema)
+
+
+def schema_nodes(root: Any) -> Iterator[tuple[Mapping, tuple[str | int, ...], str | None]]:
+    """(schema, its steps from ``root``, the keyword it sits under) for each schema object
+    xgrammar reads in ``root``: the root, every subschema at its position (``subschemas``),
+    and every target of a local ``$ref`` wherever it sits (``#/components/schemas/Pet``),
+    its keyword None. Each is given once (once more when it is also read as
+    ``propertyNames``, where it describes strings), so recursive refs end."""
+    pending: list[tuple[tuple[str | int, ...], Any, str | None]] = [((), root, None)]
+    seen: set[tuple[tuple[str | int, ...], bool]] = set()
     while pending:
-        node, path = pending.pop()
-        if isinstance(node, Mapping):
-            _check_node(node, path, schema)
-            pending.extend(_subschemas(node, path))
+        steps, node, keyword = pending.pop()
+        if not isinstance(node, Mapping) or (steps, keyword == "propertyNames") in seen:
+            continue
+        seen.add((steps, keyword == "propertyNames"))
+        yield node, steps, keyword
+        for child_keyword, key, child in subschemas(node):
+            pending.append((steps + ((child_keyword,) if key is None else (child_keyword, key)), child, child_keyword))
+        target = locate(root, node["$ref"]) if isinstance(node.get("$ref"), str) else None
+        if target is not None:
+            pending.append((*target, None))
+
+
+def json_path(steps: tuple[str | int, ...]) -> str:
+    """``$.properties.tags``, ``$.anyOf[0]``, ``$['a b']`` for steps from the root."""
+    return "$" + "".join(f"[{step}]" if isinstance(step, int) else _key(step) for step in steps)
 
 
 def _check_node(node: Mapping, path: str, root: Any) -> None:
@@ -63,6 +99,7 @@ def _check_node(node: Mapping, path: str, root: Any) -> None:
     _check_exclusive(node, path)
     _check_typed(node, path)
     _check_strings(node, path)
+    _check_number_range(node, path)
     _check_multiple_of(node, path)
     _check_objects(node, path)
     _check_identifiers(node, path)
@@ -90,7 +127,7 @@ def _check_exclusive(node: Mapping, path: str) -> None:
 
 def _values_have_type(node: Mapping, primary: str) -> bool:
     values = [node["const"]] if primary == "const" else node["enum"] if isinstance(node["enum"], list) else []
-    return all(any(_has_type(value, kind) for kind in _types(node)) for value in values)
+    return all(any(_has_type(value, kind) for kind in schema_types(node)) for value in values)
 
 
 def _has_type(value: Any, kind: str) -> bool:
@@ -101,13 +138,14 @@ def _has_type(value: Any, kind: str) -> bool:
     return expected is not None and isinstance(value, expected)
 
 
-def _types(node: Mapping) -> set[str]:
+def schema_types(node: Mapping) -> set[str]:
+    """The type names a schema's "type" lists (none when it has no type)."""
     kind = node.get("type")
     return {name for name in (kind if isinstance(kind, list) else [kind]) if isinstance(name, str)}
 
 
 def _check_typed(node: Mapping, path: str) -> None:
-    types = _types(node)
+    types = schema_types(node)
     if "integer" in types:
         types.add("number")
     for keyword in node:
@@ -120,15 +158,25 @@ def _annotation_format(node: Mapping, keyword: str) -> bool:
     return keyword == "format" and node["format"] not in ENFORCED_FORMATS | UNENFORCED_FORMATS
 
 
+def _string_shape(node: Mapping) -> str | None:
+    """"format" when ``node`` has a format xgrammar enforces, else "pattern" when it has a
+    pattern, else None: xgrammar drops minLength / maxLength beside either (and a pattern
+    beside such a format)."""
+    return "format" if node.get("format") in ENFORCED_FORMATS else "pattern" if "pattern" in node else None
+
+
 def _check_strings(node: Mapping, path: str) -> None:
     """A standard format must be one xgrammar has; beside a format or a pattern, xgrammar
-    drops minLength / maxLength (and a pattern beside a format); each regex must parse."""
+    drops minLength / maxLength (and a pattern beside a format); each regex must be one
+    xgrammar reads as Python's re does."""
     fmt = node.get("format")
     if fmt in UNENFORCED_FORMATS:
         raise refused("format", path, f"for {fmt!r} (xgrammar accepts any string)")
-    shaped_by = "format" if fmt in ENFORCED_FORMATS else "pattern" if "pattern" in node else None
-    for keyword in ("minLength", "maxLength", "pattern"):
-        if shaped_by and keyword in node and keyword != shaped_by:
+    shaped_by = _string_shape(node)
+    if shaped_by == "format" and "pattern" in node:
+        raise refused("pattern", path, "beside 'format' (xgrammar drops it)")
+    for keyword in ("minLength", "maxLength"):
+        if shaped_by and keyword in node:
             raise refused(keyword, path, f"beside {shaped_by!r} (xgrammar drops it)")
     if isinstance(node.get("pattern"), str):
         check_regex(node["pattern"], f"JSON schema keyword 'pattern' at {path}")
@@ -138,14 +186,79 @@ def _check_strings(node: Mapping, path: str) -> None:
 
 def check_regex(pattern: str, where: str) -> None:
     """ValueError naming the feature (lookahead, lookbehind, backreference, ...) when
-    xgrammar's regex dialect cannot take ``pattern``."""
+    xgrammar's regex dialect cannot take ``pattern``, or an escape xgrammar reads otherwise
+    than the validator (Python's re): an unknown letter escape (``\\Z``, ``\\A``, ...),
+    which xgrammar matches as the letter itself, or ``\\W`` / ``\\D`` / ``\\S``, which
+    xgrammar reads as ASCII classes (they match "é" and Unicode digits and spaces)."""
     import xgrammar
+    for letter in _escaped(pattern):
+        if letter in LITERAL_ESCAPES:
+            anchor = {"A": " (use ^)", "Z": " (use $)"}.get(letter, "")
+            raise _bad_regex(pattern, where, f"xgrammar reads the escape '\\{letter}' as the letter {letter!r} "
+                                             f"itself{anchor}")
+        if letter in ASCII_CLASSES:
+            raise _bad_regex(pattern, where, f"xgrammar's '\\{letter}' is ASCII-only, wider than the validator's "
+                                             f"Unicode one; write the class out, such as {ASCII_CLASSES[letter]}")
     try:
         xgrammar.Grammar.from_regex(pattern)
     except Exception as error:  # xgrammar raises RuntimeError with the position and the feature
         message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(error).strip().splitlines()[0])
-        raise ValueError(f"structured outputs: {where}: the regex {pattern!r} is not supported by the "
-                         f"grammar backend: {message}") from None
+        raise _bad_regex(pattern, where, message) from None
+
+
+def _bad_regex(pattern: str, where: str, why: str) -> ValueError:
+    return ValueError(f"structured outputs: {where}: the regex {pattern!r} is not supported by the grammar "
+                      f"backend: {why}")
+
+
+def _escaped(pattern: str) -> Iterator[str]:
+    """The character after each escaping backslash of ``pattern`` (in ``\\\\Z`` the
+    second backslash is escaped, so Z is not)."""
+    index = pattern.find("\\")
+    while 0 <= index < len(pattern) - 1:
+        yield pattern[index + 1]
+        index = pattern.find("\\", index + 2)
+
+
+def _check_number_range(node: Mapping, path: str) -> None:
+    """Some number xgrammar can write must lie within the bounds: an integer for
+    "integer", a decimal of at most 6 places for "number". Where none does, xgrammar's
+    grammar for the value is empty text (invalid JSON), so such a range is refused."""
+    bounds = _numeric_bounds(node)
+    for kind, places in NUMBER_PLACES.items():
+        if kind in schema_types(node) and not _range_holds(bounds, places):
+            written = ", ".join(f"{keyword} {node[keyword]!r}" for keyword in bounds)
+            numbers = "integer" if kind == "integer" else "number of at most 6 decimal places"
+            raise refused(next(iter(bounds)), path, f"with {written}: no {numbers} lies in that range (xgrammar "
+                          f"writes only such {kind}s, so its grammar would be empty, which is not JSON)")
+
+
+def _numeric_bounds(node: Mapping) -> dict[str, Decimal]:
+    """The finite number bounds of ``node``, lower ones first, as Decimals of their JSON text."""
+    bounds = {}
+    for keyword in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        value = node.get(keyword)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and Decimal(repr(value)).is_finite():
+            bounds[keyword] = Decimal(repr(value))
+    return bounds
+
+
+def _range_holds(bounds: dict[str, Decimal], places: int) -> bool:
+    """Whether a multiple of 10**-places lies within ``bounds``: the least such multiple
+    that every lower bound allows is allowed by every upper bound."""
+    step = Decimal(1).scaleb(-places)
+    with localcontext() as context:
+        context.prec = 5000  # exact: more digits than any number json.loads reads (ints stop at 4300)
+        lowest = []
+        if "minimum" in bounds:
+            lowest.append((bounds["minimum"] / step).to_integral_value(ROUND_CEILING))
+        if "exclusiveMinimum" in bounds:
+            lowest.append((bounds["exclusiveMinimum"] / step).to_integral_value(ROUND_FLOOR) + 1)
+        if not lowest:
+            return True
+        least = max(lowest) * step
+        return least <= bounds.get("maximum", least) and ("exclusiveMaximum" not in bounds
+                                                          or least < bounds["exclusiveMaximum"])
 
 
 def _check_multiple_of(node: Mapping, path: str) -> None:
@@ -153,14 +266,20 @@ def _check_multiple_of(node: Mapping, path: str) -> None:
     if "multipleOf" not in node:
         return
     value = node["multipleOf"]
-    if "number" in _types(node) or not isinstance(value, int) or isinstance(value, bool):
+    if "number" in schema_types(node) or not isinstance(value, int) or isinstance(value, bool):
         raise refused("multipleOf", path, 'except an integer multipleOf on "type": "integer"')
 
 
 def _check_objects(node: Mapping, path: str) -> None:
-    """patternProperties must not cover a named property, and propertyNames applies only
+    """Every required name must be a named property (xgrammar makes only those mandatory),
+    patternProperties must not cover a named property, and propertyNames applies only
     where no property is named or patterned (xgrammar checks neither of those)."""
     properties = node.get("properties") if isinstance(node.get("properties"), Mapping) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    unnamed = next((name for name in required if not isinstance(name, str) or name not in properties), None)
+    if unnamed is not None:
+        raise refused("required", path, f"naming {unnamed!r}, which is not in 'properties' (xgrammar does not make "
+                      "it mandatory; add it to properties)")
     patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), Mapping) else {}
     for pattern in patterns:
         name = next((name for name in properties if _search(pattern, name)), None)
@@ -218,15 +337,19 @@ def subschemas(node: Mapping) -> list[tuple[str, str | int | None, Any]]:
     return found
 
 
-def _subschemas(node: Mapping, path: str) -> list[tuple[Any, str]]:
-    """(subschema, its path) for every place the walk goes on from ``node``."""
-    found = []
+def map_subschemas(node: Mapping, rewrite: Callable[[str, Any], Any]) -> dict:
+    """A copy of ``node`` with each of its subschemas (``subschemas``) replaced by
+    ``rewrite(keyword, subschema)``. ``node`` is left unchanged: each mapping or list
+    holding a subschema is copied."""
+    result = dict(node)
     for keyword, key, child in subschemas(node):
-        step = "" if key is None else f"[{key}]" if isinstance(key, int) else _key(key)
-        if keyword == "propertyNames" and isinstance(child, Mapping):
-            child = {"type": "string", **child}  # it applies to names: strings, whether or not it says so
-        found.append((child, f"{path}.{keyword}{step}"))
-    return found
+        if key is None:
+            result[keyword] = rewrite(keyword, child)
+            continue
+        if result[keyword] is node[keyword]:  # properties, anyOf, ...: copied before its first child changes
+            result[keyword] = dict(node[keyword]) if isinstance(node[keyword], Mapping) else list(node[keyword])
+        result[keyword][key] = rewrite(keyword, child)
+    return result
 
 
 def _key(name: str) -> str:

@@ -10,21 +10,22 @@ xgrammar enforces. ``minItems`` / ``maxItems`` keep the lengths they allow.
 
 Invariant: a rewritten schema accepts the arrays the original accepts (distinct items, each
 one of the values, within the length bounds), written with each value as the enum lists it
-(of values JSON counts as equal, such as 1 and 1.0, the first). The walk goes only where
-schema_support's check goes (``subschemas``): data (the values of ``enum``, ``const``,
-``default``, ``examples``) is never rewritten, and a property named ``default`` or ``enum``
-is a schema like any other. A ``uniqueItems: true`` that is not of that form is left alone,
-and schema_support refuses it by name.
+(of values JSON counts as equal, such as 1 and 1.0, the first: json_values.value_key).
+The walk goes only to subschemas at their positions (schema_support's ``subschemas``):
+data (the values of ``enum``, ``const``, ``default``, ``examples``) is never rewritten, and
+a property named ``default`` or ``enum`` is a schema like any other. A ``uniqueItems: true``
+that is not of that form, or that only a ``$ref`` reaches (``#/components/...``), is left
+alone, and schema_support refuses it by name.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Mapping
 from typing import Any
 
-from pagedrag.structured.schema_support import subschemas
+from pagedrag.structured.json_values import is_count, value_key
+from pagedrag.structured.schema_support import map_subschemas
 
 MAX_UNIQUE_VALUES = 5  # 326 sequences: the grammar stays small and compiles in milliseconds
 ARRAY_KEYWORDS = frozenset({"type", "items", "uniqueItems", "minItems", "maxItems"})
@@ -41,16 +42,7 @@ def enforce_unique_items(schema: Any) -> Any:
     rewritten = _sequences(schema)
     if rewritten is not None:
         return rewritten
-    result = dict(schema)
-    for keyword, key, child in subschemas(schema):
-        if key is None:
-            result[keyword] = enforce_unique_items(child)
-            continue
-        original = schema[keyword]  # properties, anyOf, ...: copied before its first child changes
-        if result[keyword] is original:
-            result[keyword] = dict(original) if isinstance(original, Mapping) else list(original)
-        result[keyword][key] = enforce_unique_items(child)
-    return result
+    return map_subschemas(schema, lambda keyword, child: enforce_unique_items(child))
 
 
 def _sequences(node: Mapping) -> dict | None:
@@ -62,7 +54,7 @@ def _sequences(node: Mapping) -> dict | None:
         return None
     values = _values(node.get("items"))
     lowest, highest = node.get("minItems", 0), node.get("maxItems", len(values or ()))
-    if values is None or not _is_count(lowest) or not _is_count(highest):
+    if values is None or not is_count(lowest) or not is_count(highest):
         return None
     branches = [{"type": "array", "prefixItems": [{"const": value} for value in chosen], "items": False,
                  "minItems": length, "maxItems": length}
@@ -88,19 +80,8 @@ def _values(items: Any) -> list | None:
         return None
     distinct: dict[str, Any] = {}
     for value in values:
-        distinct.setdefault(json.dumps(_canonical(value), sort_keys=True), value)
+        distinct.setdefault(value_key(value), value)
     return list(distinct.values()) if len(distinct) <= MAX_UNIQUE_VALUES else None
-
-
-def _canonical(value: Any) -> Any:
-    """``value`` with integral floats as integers: JSON Schema counts 1 and 1.0 as equal."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_canonical(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _canonical(item) for key, item in value.items()}
-    return value
 
 
 def _json_type(value: Any) -> str:
@@ -112,6 +93,3 @@ def _json_type(value: Any) -> str:
         return "integer"
     return {float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "")
 
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedrag.structured.params import StructuredOutputsParams
+from pagedrag.structured.schema_oneof import resolve
+from pagedrag.structured.schema_support import EXCLUSIVE, schema_nodes
 from pagedrag.text_checks import check_bool
 
 if TYPE_CHECKING:
@@ -104,10 +106,11 @@ class ToolPlan:
 
     ``tools`` are OpenAI tools, ``{"type": "function", "function": {"name",
     "description"?, "parameters", "strict"?}}``, each with unique name and with
-    ``parameters`` a JSON schema of type "object" (the empty-object schema where none was
-    given). ``choice`` is "none", "auto", "required" or "named"; ``named`` is the declared
-    function a "named" choice forces, else None. ``parallel`` lets "required" make more
-    than one call.
+    ``parameters`` a JSON schema of objects (the empty-object schema where none was
+    given): of type "object", or whose root ``$ref``, ``anyOf``, ``oneOf``, ``allOf``,
+    ``enum`` or ``const`` allows only objects. ``choice`` is "none", "auto", "required"
+    or "named"; ``named`` is the declared function a "named" choice forces, else None.
+    ``parallel`` lets "required" make more than one call.
     """
 
     tools: tuple[dict, ...]
@@ -167,24 +170,34 @@ class ToolPlan:
 def _call_schema(index: int, function: dict) -> dict:
     """The schema of one call of ``function``, the ``index``-th alternative of the calls
     array's items: its parameters' local references ("#/...") are rebased onto where the
-    parameters now sit, so pydantic-style ``$defs`` keep resolving."""
-    parameters = _rebase_refs(function["parameters"], f"#/items/anyOf/{index}/properties/arguments")
+    parameters now sit, so pydantic-style ``$defs`` keep resolving. A root ``$id`` is
+    dropped: it would make the parameters a resource of their own, which their rebased
+    references no longer need (the named tool's grammar takes it, at the root, as an
+    annotation)."""
+    rebased = _rebase_refs(function["parameters"], f"#/items/anyOf/{index}/properties/arguments")
+    parameters = {keyword: value for keyword, value in rebased.items() if keyword != "$id"}
     return {"type": "object",
             "properties": {"name": {"type": "string", "enum": [function["name"]]}, "arguments": parameters},
             "required": ["name", "arguments"]}
 
 
-def _rebase_refs(schema: Any, root: str) -> Any:
-    """``schema`` with every "$ref" to its own root ("#" or "#/...") pointing under ``root``."""
-    if isinstance(schema, list):
-        return [_rebase_refs(item, root) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    rebased = {key: _rebase_refs(value, root) for key, value in schema.items()}
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-        rebased["$ref"] = root + ref[1:]
+def _rebase_refs(schema: dict, root: str) -> dict:
+    """A copy of ``schema`` with the "$ref" to its own root ("#" or "#/...") of each schema
+    in it pointing under ``root``. Schemas are what the grammar reads (schema_nodes:
+    subschemas at their positions and $ref targets); data, such as a ``const`` or
+    ``default`` value that holds a "$ref" key, is copied as it is."""
+    rebased = json.loads(json.dumps(schema))
+    for node, steps, _ in schema_nodes(schema):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            _at(rebased, steps)["$ref"] = root + ref[1:]
     return rebased
+
+
+def _at(value: Any, steps: tuple[str | int, ...]) -> Any:
+    for step in steps:
+        value = value[step]
+    return value
 
 
 def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any = True) -> ToolPlan | None:
@@ -249,7 +262,9 @@ def _check_function(where: str, function: Any) -> dict:
 
 
 def _check_parameters(where: str, schema: Any) -> dict:
-    """A private copy of an object schema, its "type" made explicit."""
+    """A private copy of an object schema, its "type" made explicit; except beside a root
+    ``$ref``, ``anyOf``, ``oneOf``, ``allOf``, ``enum`` or ``const`` (the grammar would
+    drop a "type" there), where every alternative must be an object already."""
     if schema is None:
         return dict(_NO_PARAMETERS)
     if not isinstance(schema, Mapping):
@@ -260,7 +275,30 @@ def _check_parameters(where: str, schema: Any) -> dict:
         copy = json.loads(json.dumps(schema, allow_nan=False))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{where} is not JSON: {error}") from None
-    return {"type": "object", **copy}
+    primary = next((keyword for keyword in EXCLUSIVE if keyword in copy), None)
+    if primary is None:
+        return {"type": "object", **copy}
+    if "type" not in copy and not _objects_only(copy, copy):
+        raise ValueError(f"{where} must be the schema of an object: its root {primary!r} must allow only objects "
+                         "(each alternative of type 'object')")
+    return copy
+
+
+def _objects_only(schema: Any, root: Any, depth: int = 0) -> bool:
+    """Whether ``schema`` allows objects only, as its type, const, enum, local $ref and
+    combinators (every branch, at most 16 deep) show; False where they do not show it."""
+    schema = resolve(schema, root)
+    if not isinstance(schema, Mapping) or depth > 16:
+        return False
+    if "type" in schema:
+        return schema["type"] == "object"
+    if "const" in schema:
+        return isinstance(schema["const"], dict)
+    if "enum" in schema:
+        return isinstance(schema["enum"], list) and all(isinstance(value, dict) for value in schema["enum"])
+    branches = next((schema[keyword] for keyword in ("anyOf", "oneOf", "allOf") if keyword in schema), None)
+    return isinstance(branches, list) and bool(branches) and all(
+        _objects_only(branch, root, depth + 1) for branch in branches)
 
 
 def _check_keys(where: str, value: Mapping, known: frozenset[str]) -> None:

@@ -188,3 +188,11 @@ def test_inserted_timestamp_is_a_timestamp_not_a_reordering():
     stamped = "Today is 2026-11-29 10:41:07. " + base
     assert classify(stamped, base, 0) == "timestamp"
     assert classify(base, stamped, 0) == "timestamp"
+
+
+def test_text_that_is_not_utf8_is_named(tok):
+    with pytest.raises(ValueError, match="reference is not valid UTF-8"):
+        explain("abc", "abc \ud800", tok)
+    with pytest.raises(ValueError, match="prompt is not valid UTF-8"):
+        explain("abc \ud800", "abc", tok)
+    assert run(_args("--text-a", "abc \udcff", "--text-b", "abc")) == 2

@@ -130,12 +130,14 @@ def test_chunk_reuse_flags():
 
 # ---- chunk reuse on -------------------------------------------------------------------
 def test_reordered_chunks_hit_the_chunk_cache(server, sdk, engine):
-    """prompt_segments, then the same chunks in another order as prompt + prompt_chunks
-    (streamed): the second reports chunk hits in its usage, and /metrics adds them up."""
+    """prompt + prompt_chunks, then the same chunks in another order (streamed): the second
+    reports chunk hits in its usage, and /metrics adds them up. (Both are text cut around
+    their chunks, tokenized whole; prompt_segments tokenize each segment alone, so a chunk
+    sent both ways has other token ids at its edges.)"""
     _wait_idle(engine)
     before = _metrics(server.base_url)
-    segments = [{"text": HEAD, "reusable": False}, A, B, C, {"text": "Question: which is hottest?", "reusable": False}]
-    first = _completion(server.base_url, prompt_segments=segments)
+    first = _completion(server.base_url, prompt=HEAD + A + B + C + "Question: which is hottest?",
+                        prompt_chunks=[A, B, C])
     assert first["choices"][0]["text"] and _details(first["usage"])["chunk_cache_hits"] == 0
     stream = sdk.completions.create(model=MODEL, prompt=HEAD + C + A + B + "Question: which is red?", max_tokens=2,
                                     temperature=0, stream=True, stream_options={"include_usage": True},

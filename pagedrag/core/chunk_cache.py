@@ -68,15 +68,18 @@ class Recompute:
 
 @dataclass(slots=True)
 class ChunkPlan:
-    """How a request's prompt is computed with chunk reuse on its admission: the KV of
-    ``imported`` segments (with their cached blocks, held) comes from the chunk cache; the
-    model computes the fresh ``runs`` (half-open position ranges, in order; the last one ends
-    the prompt) and ``recompute`` tokens of the imported chunks."""
+    """How a request's prompt is computed with chunk reuse on its admission: its first
+    ``num_prefix_tokens`` tokens are prefix hits (a block multiple, at most the request's whole
+    prefix hit: ChunkCache.plan may cut it back); the KV of ``imported`` segments (with their
+    cached blocks, held) comes from the chunk cache; the model computes the fresh ``runs``
+    (half-open position ranges, in order, the first from ``num_prefix_tokens`` on unless a chunk
+    starts there; the last one ends the prompt) and ``recompute`` tokens of the imported chunks."""
 
     runs: list[tuple[int, int]]
     recompute: list[Recompute]
     imported: list[tuple[int, list[KVBlock]]]  # (segment index, its cached blocks)
     num_imported: int  # tokens whose KV is copied and kept
+    num_prefix_tokens: int
 
     @property
     def num_recomputed(self) -> int:
@@ -200,8 +203,37 @@ class ChunkCache:
 
     # ---- import -------------------------------------------------------------------------
     def plan(self, request: Request, num_prefix_tokens: int) -> ChunkPlan | None:
-        """The plan for a request whose first ``num_prefix_tokens`` tokens are prefix hits, or
-        None when no chunk of it is cached (it is then computed as usual). Changes nothing."""
+        """The plan for a request whose first ``num_prefix_tokens`` tokens (a block multiple) are
+        prefix hits, or None when no chunk of it is imported (it is then computed as usual, after
+        its whole prefix hit). Changes nothing.
+
+        Chunks may all begin with the same tokens (a "<document source=" tag), so the block
+        holding the end of the head and the start of a chunk can be a prefix hit, which then
+        ends inside that chunk. Left there, the chunk is computed again; instead the prefix hit
+        is cut back to the last block boundary at or before the chunk's start when that imports
+        more of the chunk's tokens than it gives up prefix-hit tokens, i.e. when the model
+        computes fewer tokens (``_cut_back``). ``ChunkPlan.num_prefix_tokens`` is the prefix hit
+        kept: the scheduler takes and counts only that many tokens as prefix hits."""
+        plan = self._plan_after(request, num_prefix_tokens)
+        cut = self._cut_back(request, num_prefix_tokens)
+        if cut is None:
+            return plan
+        alternative = self._plan_after(request, cut)
+        computed = plan.num_tokens if plan is not None else request.num_tokens - num_prefix_tokens
+        return alternative if alternative is not None and alternative.num_tokens < computed else plan
+
+    def _cut_back(self, request: Request, num_prefix_tokens: int) -> int | None:
+        """The last block boundary at or before the start of the reusable segment inside which
+        the prefix hit ends; None when it ends at a segment boundary or in a segment that is
+        not reusable."""
+        for index, segment in enumerate(request.segments):
+            if segment.start < num_prefix_tokens < segment.end and self.reusable(request, index):
+                return segment.start // self.block_size * self.block_size
+        return None
+
+    def _plan_after(self, request: Request, num_prefix_tokens: int) -> ChunkPlan | None:
+        """The plan importing every cached reusable segment past the first ``num_prefix_tokens``
+        tokens, or None when there is none."""
         runs: list[tuple[int, int]] = []
         recompute, imported = [], []
         position = num_prefix_tokens
@@ -221,7 +253,7 @@ class ChunkCache:
         recompute = [item for item in self._with_question_window(recompute) if item.count or item.tail]
         num_imported = sum(request.segments[index].end - request.segments[index].start
                            for index, _ in imported) - sum(item.count + item.tail for item in recompute)
-        return ChunkPlan(runs, recompute, imported, num_imported)
+        return ChunkPlan(runs, recompute, imported, num_imported, num_prefix_tokens)
 
     def _with_question_window(self, recompute: list[Recompute]) -> list[Recompute]:
         """The imported chunks (in prompt order) with their last tokens, the ``question_window``

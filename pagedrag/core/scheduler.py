@@ -340,12 +340,16 @@ class Scheduler:
 
     def _admit(self, request: Request, hits: list[KVBlock], budget: int, out: SchedulerOutput) -> int:
         """Schedule a waiting request's first tokens after its prefix hit (and, with chunk
-        reuse, around its cached chunks); returns the tokens scheduled, 0 when it does not fit."""
+        reuse, around its cached chunks); returns the tokens scheduled, 0 when it does not fit.
+        A chunk-reuse plan may keep less than the whole prefix hit (ChunkCache.plan): only the
+        hits it keeps are taken and counted (num_cached_tokens, the prefix-cache stats)."""
         first_time = request.num_cached_tokens < 0
-        num_hit_tokens = len(hits) * self.kv.block_size
-        plan = self._chunk_plan(request, num_hit_tokens, budget)
+        plan = self._chunk_plan(request, len(hits) * self.kv.block_size, budget)
         if plan is False:
             return 0
+        if plan:
+            hits = hits[:plan.num_prefix_tokens // self.kv.block_size]
+        num_hit_tokens = len(hits) * self.kv.block_size
         num_new = request.num_tokens - num_hit_tokens if plan else self._chunk(request, budget, num_hit_tokens)
         if plan:
             self.kv.chunks.hold_sources(request, plan)

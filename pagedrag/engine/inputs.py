@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedrag.core.request import PromptSegment
-from pagedrag.engine.segments import chat_segments, text_segments
+from pagedrag.engine import literal_text
+from pagedrag.engine.segments import TextCuts, chat_segments, text_segments, token_segments
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.structured.compiler import GrammarCompiler
 from pagedrag.tools import PARSERS, ToolPlan, parser_for, plan_tools, prepare_conversation, template_supports_tools
@@ -141,7 +142,12 @@ class InputProcessor:
         Invariant: every PromptSegment covers at least one token. A segment with no tokens (an
         empty text or list) adds nothing to the prompt and is left out; when it is the first,
         the first segment with tokens is the head (core.chunk_cache keys a chunk by the
-        segment before it, which needs a token)."""
+        segment before it, which needs a token).
+
+        ``TextCuts`` (engine.segments: a text prompt or chat that chunk reuse cut) are not
+        tokenized apart: see ``_cut_segments``."""
+        if isinstance(items, TextCuts):
+            return self._cut_segments(items, special_first)
         if isinstance(items, (str, bytes, Mapping)) or not isinstance(items, Sequence) or not items:
             raise ValueError("prompt_segments must be a non-empty list of texts, token-id lists or "
                              "{'text' | 'token_ids', 'reusable'} dicts")
@@ -160,6 +166,22 @@ class InputProcessor:
         texts = [content for content, _ in parts]
         text = "".join(texts) if all(isinstance(content, str) for content in texts) else None
         return text, token_ids, tuple(segments)
+
+    def _cut_segments(self, cuts: TextCuts, special: bool) -> tuple[str, list[int], tuple[PromptSegment, ...]]:
+        """The text of ``cuts`` tokenized whole (with the tokenizer's special tokens when
+        ``special``), so its token ids are exactly those of the same prompt without chunk reuse;
+        the segments are cut at token boundaries (engine.segments.token_segments). A tokenizer
+        without offsets (a slow one) leaves the prompt one segment, which reuses nothing."""
+        text = "".join(cut["text"] for cut in cuts)
+        self._check_text(text)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+        if not getattr(self.tokenizer, "is_fast", False):
+            token_ids = self.tokenizer.encode(text, add_special_tokens=special)
+            return text, token_ids, (PromptSegment(0, len(token_ids), False),) if token_ids else ()
+        encoded = self.tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+        ranges = token_segments(encoded["offset_mapping"], cuts)
+        return text, list(encoded["input_ids"]), tuple(PromptSegment(*span) for span in ranges)
 
     def _segment_part(self, index: int, item: object) -> tuple[str | list[int], bool]:
         """(text or token ids, reusable) of one prompt segment."""
@@ -184,10 +206,14 @@ class InputProcessor:
         expected = {None: "a text, a token-id list or a dict", "text": "a text", "token_ids": "a token-id list"}[kind]
         raise TypeError(f"{where} must be {expected}, got {type(item).__name__}")
 
-    def _encode_segment(self, text: str, special: bool) -> list[int]:
+    def _encode_segment(self, text: str | Sequence[literal_text.Piece], special: bool) -> list[int]:
+        """A segment's token ids: a text as the tokenizer encodes it, or pieces of a rendered
+        chat (literal_text.chat_pieces) with their content's special-token strings literal."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: give prompt_segments as token-id lists")
-        return self.tokenizer.encode(text, add_special_tokens=special)
+        if isinstance(text, str):
+            return self.tokenizer.encode(text, add_special_tokens=special)
+        return literal_text.encode(self.tokenizer, text, add_special_tokens=special)
 
     def _parse_whole(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         if isinstance(prompt, Mapping):
@@ -257,20 +283,27 @@ class InputProcessor:
     # ---- chats -------------------------------------------------------------------
     def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
                     cache_salt: str | None = None, tools: ToolPlan | None = None,
-                    chunks: Sequence[str] | None = None, **template_kwargs) -> ProcessedPrompt:
+                    chunks: Sequence[str] | None = None, truncate_prompt_tokens: int | None = None,
+                    **template_kwargs) -> ProcessedPrompt:
         """A conversation through the model's chat template (the tokenizer's, rendered in
         Jinja's sandbox by transformers; ``template_kwargs`` may carry a caller's own
         ``chat_template`` and ``continue_final_message``), with the request's ``tools``,
-        checked like any prompt. With ``segment_prompts`` it is cut into segments (around
-        ``chunks``, the retrieved chunks' texts, or at blank lines: engine.segments)."""
+        checked like any prompt after it is cut to its last ``truncate_prompt_tokens`` tokens
+        (when given). The messages' content is literal text: a special-token string in it
+        never becomes a special token (engine.literal_text). With ``segment_prompts`` it is cut
+        into segments (around ``chunks``, the retrieved chunks' texts, or at blank lines:
+        engine.segments), unless it is truncated or a content holds a special-token string."""
         def render(messages: Conversation) -> str:
             return self.render_chat_text(messages, add_generation_prompt, tools, **template_kwargs)
 
+        conversation = normalize_conversation(conversation)
         text = render(conversation)
-        segments = chat_segments(render, normalize_conversation(conversation), text, chunks) \
-            if self.segment_prompts else None
+        pieces = literal_text.chat_pieces(self.tokenizer, render, conversation, text)
+        plain = pieces == [literal_text.Piece(text, False)]
+        segments = chat_segments(render, conversation, text, chunks) \
+            if self.segment_prompts and plain and truncate_prompt_tokens is None else None
         if segments is None:
-            return self.process_chat_text(text, cache_salt)
+            return self.process_chat_text(text, cache_salt, pieces, truncate_prompt_tokens)
         self._check_text(text)
         _, token_ids, parsed = self._segments(segments, special_first=False)
         prompt = self.process({"prompt": text, "prompt_token_ids": token_ids}, cache_salt)
@@ -298,11 +331,22 @@ class InputProcessor:
                              'use "none", "required" or a named function')
         return plan
 
-    def process_chat_text(self, text: str, cache_salt: str | None = None) -> ProcessedPrompt:
-        """A rendered chat: its special tokens are in the text, so none are added."""
+    def process_chat_text(self, text: str, cache_salt: str | None = None,
+                          pieces: Sequence[literal_text.Piece] | None = None,
+                          truncate_prompt_tokens: int | None = None) -> ProcessedPrompt:
+        """A rendered chat: its special tokens are in the text, so none are added. ``pieces``
+        (literal_text.chat_pieces) split ``text`` into template text and message content,
+        whose special-token strings are then encoded as literal text; without them, every
+        special-token string in ``text`` is a special token. Cut to the last
+        ``truncate_prompt_tokens`` tokens (when given) before its length is checked."""
         self._check_text(text)
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self.process({"prompt": text, "prompt_token_ids": token_ids}, cache_salt)
+        if pieces is None:
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif "".join(piece.text for piece in pieces) != text:
+            raise ValueError("the chat's pieces do not make up its rendered text")
+        else:
+            token_ids = literal_text.encode(self.tokenizer, pieces)
+        return self.process({"prompt": text, "prompt_token_ids": token_ids}, cache_salt, truncate_prompt_tokens)
 
     # ---- sampling parameters -------------------------------------------------------
     def check_params(self, params: SamplingParams) -> None:

@@ -7,8 +7,12 @@ did not say it with ``prompt_segments``.
 
 A text prompt's head (segment 0) is its first piece; a chat's head is everything the template
 renders before the last user message's content (system prompt, earlier turns). The piece
-that holds the end of the prompt (the question) is never reusable. Each piece is tokenized
-on its own, so a chunk has the same tokens wherever it lands.
+that holds the end of the prompt (the question) is never reusable.
+
+The pieces come back as ``TextCuts``: the text is tokenized whole, exactly as without chunk
+reuse (the same token ids, hence the same answers), and each cut moves to the first token
+boundary at or after it (``token_segments``). A chunk therefore has the same tokens wherever
+it lands only as far as the tokenizer lets it: tokens that merge across a cut stay whole.
 """
 
 from __future__ import annotations
@@ -62,15 +66,66 @@ def _free_place(text: str, chunk: str, taken: list[tuple[int, int]]) -> tuple[in
     return None
 
 
-def _segments(head: str, pieces: list[tuple[str, bool]], tail: str) -> list[Segment]:
+class TextCuts(list):
+    """Segments (``Segment`` dicts) that are pieces of one text, the text being their
+    concatenation: unlike ``prompt_segments`` given by a caller (each tokenized on its own),
+    the text is tokenized whole and the pieces only say where to cut its tokens
+    (``token_segments``)."""
+
+
+def _segments(head: str, pieces: list[tuple[str, bool]], tail: str) -> TextCuts:
     """head, the pieces, and the last piece joined to the tail, never reusable."""
     last, _ = pieces.pop() if pieces else ("", False)
-    return ([{"text": head, "reusable": False}]
-            + [{"text": piece, "reusable": reusable} for piece, reusable in pieces]
-            + [{"text": last + tail, "reusable": False}])
+    return TextCuts([{"text": head, "reusable": False}]
+                    + [{"text": piece, "reusable": reusable} for piece, reusable in pieces]
+                    + [{"text": last + tail, "reusable": False}])
 
 
-def text_segments(text: str, chunks: Sequence[str] | None = None) -> list[Segment]:
+def token_segments(offsets: Sequence[tuple[int, int]], cuts: Sequence[Segment]) -> list[tuple[int, int, bool]]:
+    """(start, end, reusable) token ranges of ``cuts``, the pieces of a text whose tokens have
+    these character ``offsets`` (a fast tokenizer's offset mapping).
+
+    Each piece starts at the first clean token boundary (``_boundaries``) at or after its first
+    character; the first starts at token 0 and the last ends at the last token. A piece that gets
+    no tokens that way (no boundary fits between its cuts) is merged into the range before it,
+    which is then reusable only if both are; an empty first piece is left out, so the first
+    range is the head. Invariant: the ranges are non-empty and cover the tokens, in order."""
+    positions, indices = _boundaries(offsets, sum(len(cut["text"]) for cut in cuts))
+    starts, character = [], 0
+    for cut in cuts:
+        starts.append(indices[bisect.bisect_left(positions, character)] if starts else 0)
+        character += len(cut["text"])
+    ranges: list[list] = []
+    for cut, start, end in zip(cuts, starts, starts[1:] + [len(offsets)]):
+        if start < end:
+            ranges.append([start, end, cut["reusable"]])
+        elif ranges:
+            ranges[-1][2] = ranges[-1][2] and cut["reusable"]
+    return [(start, end, reusable) for start, end, reusable in ranges]
+
+
+def _boundaries(offsets: Sequence[tuple[int, int]], length: int) -> tuple[list[int], list[int]]:
+    """The clean token boundaries of a text of ``length`` characters: (character positions,
+    token indices), both ascending. The boundary before token i is where the tokens from i on
+    begin (``length`` past the last token; 0 before the first); it is clean when no token
+    before it reaches past that position (a token split inside a character overlaps the next
+    one). Zero-width tokens (special tokens the tokenizer added) count for neither side."""
+    count = len(offsets)
+    begins = [length] * (count + 1)  # begins[i]: the first character of the tokens from i on
+    for index in range(count - 1, -1, -1):
+        begin, end = offsets[index]
+        begins[index] = min(begins[index + 1], begin) if end > begin else begins[index + 1]
+    positions, indices, reach = [0], [0], 0  # reach: the last character of the tokens before i
+    for index in range(1, count + 1):
+        begin, end = offsets[index - 1]
+        reach = max(reach, end) if end > begin else reach
+        if reach <= begins[index]:
+            positions.append(begins[index])
+            indices.append(index)
+    return positions, indices
+
+
+def text_segments(text: str, chunks: Sequence[str] | None = None) -> TextCuts:
     """Segments of a text prompt: with ``chunks``, the text before the first one is the head;
     otherwise the first paragraph is."""
     pieces = chunk_pieces(text, chunks) if chunks else paragraph_pieces(text)
@@ -79,7 +134,7 @@ def text_segments(text: str, chunks: Sequence[str] | None = None) -> list[Segmen
 
 
 def chat_segments(render: Callable[[list[dict]], str], conversation: list[dict], rendered: str,
-                  chunks: Sequence[str] | None = None) -> list[Segment] | None:
+                  chunks: Sequence[str] | None = None) -> TextCuts | None:
     """Segments of ``rendered`` (``render(conversation)``): the head, the last user message's
     content in pieces, the rest of the template. None when the content is not a plain text
     that the template renders verbatim (the prompt is then not segmented)."""

@@ -64,9 +64,11 @@ class LLM:
                   "tools": self.llm_engine.inputs.plan_tools(tools, "none")}  # rendered, never parsed
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
+        params = _per_prompt(sampling_params, len(conversations), self.llm_engine.default_params)
         render = self.llm_engine.inputs.render_chat  # keeps the segments of chunk reuse
-        return self.generate([render(c, add_generation_prompt, **kwargs) for c in conversations],
-                             sampling_params, use_tqdm)
+        prompts = [render(c, add_generation_prompt, truncate_prompt_tokens=p.truncate_prompt_tokens, **kwargs)
+                   for c, p in zip(conversations, params)]
+        return self.generate(prompts, params, use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             **kwargs) -> dict:

@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import re
 import string
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from pagedrag.engine.literal_text import Piece, TemplateFrame, encode_literal, encode_with_offsets, has_special_text
+from pagedrag.engine.literal_text import encode as encode_pieces
+from pagedrag.text_checks import check_utf8
 
 ORDERS = ("stable", "cache_aware", "relevance")
 TEMPLATE_FIELDS = ("text", "source", "position", "index", "metadata")
@@ -40,8 +45,6 @@ DEFAULT_CHUNK_TEMPLATE = '<document index="{index}" source="{source}">\n{text}\n
 REUSABLE_CHUNK_TEMPLATE = '<document source="{source}">\n{text}\n</document>'
 """For chunk reuse (``enable_chunk_reuse``): a chunk renders the same wherever it lands, so its
 KV can be reused at any position ({index} would make every position a different text)."""
-
-_SENTINEL = "\x00pagedrag-user-content\x00"
 
 T = TypeVar("T")
 
@@ -74,7 +77,8 @@ def _require(value: Any, types: type | tuple[type, ...], name: str, optional: bo
 
 @dataclass(frozen=True)
 class Chunk:
-    """A retrieved chunk. Invariant: ``text`` is normalized (see ``normalize_text``).
+    """A retrieved chunk. Invariants: ``text`` is normalized (see ``normalize_text``); text
+    and source id are valid UTF-8 (no lone surrogates).
 
     ``metadata`` is carried along (integrations keep their node or document there) but
     takes no part in equality, hashing or order.
@@ -92,6 +96,9 @@ class Chunk:
         _require(self.position, int, "position", optional=True)
         _require(self.score, (int, float), "score", optional=True)
         _require(self.metadata, Mapping, "metadata")
+        check_utf8("text", self.text)
+        if self.source_id is not None:
+            check_utf8("source_id", self.source_id)
         object.__setattr__(self, "text", normalize_text(self.text))
 
 
@@ -114,25 +121,33 @@ def as_chunk(item: ChunkLike) -> Chunk:
 
 
 def _chunk_pairs(items: Iterable[T], to_chunk: Callable[[T], Chunk]) -> list[tuple[T, Chunk]]:
-    """(item, chunk) pairs; a TypeError names the offending item, e.g. ``chunks[2]: text ...``."""
-    pairs = []
-    for index, item in enumerate(items):
-        try:
-            pairs.append((item, to_chunk(item)))
-        except TypeError as err:
-            raise TypeError(f"chunks[{index}]: {err}") from None
-    return pairs
+    """(item, chunk) pairs; a TypeError or ValueError names the offending item, e.g.
+    ``chunks[2]: text ...``."""
+    return [(item, _naming(index, to_chunk, item)) for index, item in enumerate(items)]
 
 
-def stable_key(chunk: Chunk) -> tuple:
-    """Sort key of the stable order: source id, then position, then a hash of the text.
+def _naming(index: int, function: Callable[[Any], T], value: Any) -> T:
+    """function(value), a TypeError or ValueError prefixed with ``chunks[index]: ``."""
+    try:
+        return function(value)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"chunks[{index}]: {err}") from None
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def stable_key(chunk: Chunk, identity: str | None = None) -> tuple:
+    """Sort key of the stable order: source id, then position, then a hash of the text, then
+    a hash of ``identity`` (what the prompt shows of the chunk; default its text).
 
     Chunks without a source id come after those with one, chunks without a position
-    after those with one; the content hash makes it a total order on distinct texts.
+    after those with one; the hashes make it a total order on distinct identities.
     """
-    digest = hashlib.sha256(chunk.text.encode("utf-8")).hexdigest()
     return (chunk.source_id is None, chunk.source_id or "",
-            chunk.position is None, chunk.position or 0, digest)
+            chunk.position is None, chunk.position or 0, _digest(chunk.text),
+            _digest(chunk.text if identity is None else identity))
 
 
 def _check_order(order: str) -> None:
@@ -140,14 +155,29 @@ def _check_order(order: str) -> None:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
 
 
-def _dedupe(pairs: list[tuple[T, Chunk]]) -> list[tuple[T, Chunk]]:
-    """The pairs in order, without empty texts and without later repeats of a text."""
+class _Keyed(NamedTuple):
+    item: Any
+    chunk: Chunk
+    identity: str  # what the prompt shows of the chunk: equal identities are duplicates
+
+
+def _keyed(items: Iterable[T], to_chunk: Callable[[T], Chunk],
+           identity: Callable[[Chunk], str] | None) -> list[_Keyed]:
+    """The items with their chunks and identities; errors name the item (``chunks[i]: ...``)."""
+    pairs = _chunk_pairs(items, to_chunk)
+    if identity is None:
+        return [_Keyed(item, chunk, chunk.text) for item, chunk in pairs]
+    return [_Keyed(item, chunk, _naming(index, identity, chunk)) for index, (item, chunk) in enumerate(pairs)]
+
+
+def _dedupe(keyed: list[_Keyed]) -> list[_Keyed]:
+    """The items in order, without empty texts and without later repeats of an identity."""
     seen: set[str] = set()
     kept = []
-    for item, chunk in pairs:
-        if chunk.text and chunk.text not in seen:
-            seen.add(chunk.text)
-            kept.append((item, chunk))
+    for entry in keyed:
+        if entry.chunk.text and entry.identity not in seen:
+            seen.add(entry.identity)
+            kept.append(entry)
     return kept
 
 
@@ -172,7 +202,8 @@ def _cache_aware(items: list[T], cached_len: Callable[[list[T]], int]) -> list[T
 
 def canonical_order(items: Iterable[T], order: str = "stable", *,
                     to_chunk: Callable[[T], Chunk] = as_chunk,
-                    cached_len: Callable[[list[T]], int] | None = None) -> list[T]:
+                    cached_len: Callable[[list[T]], int] | None = None,
+                    identity: Callable[[Chunk], str] | None = None) -> list[T]:
     """The items themselves, deduplicated and put in canonical order.
 
     Items are anything ``to_chunk`` turns into a Chunk (by default Chunks, texts, dicts and
@@ -186,14 +217,18 @@ def canonical_order(items: Iterable[T], order: str = "stable", *,
       return how many tokens of a prompt starting with those items are cached
       (``PromptCanonicalizer.order_chunks`` supplies it from its engine).
 
-    Items whose normalized text is empty or repeats an earlier item's are removed; of
-    equal texts the first in the order kept (for "stable", the one with the smallest key).
+    ``identity(chunk)`` is what the prompt shows of a chunk (``PromptCanonicalizer`` passes
+    the chunk rendered by its template); by default the chunk's text. Items whose normalized
+    text is empty or whose identity repeats an earlier item's are removed; of equal
+    identities the first in the order is kept. For "stable", the sort key ends with a hash of
+    the identity, so neither the order nor which duplicate is kept depends on the input order
+    whenever equal identities render alike.
     """
     _check_order(order)
-    pairs = _chunk_pairs(items, to_chunk)
+    keyed = _keyed(items, to_chunk, identity)
     if order != "relevance":
-        pairs.sort(key=lambda pair: stable_key(pair[1]))
-    ordered = [item for item, _ in _dedupe(pairs)]
+        keyed.sort(key=lambda entry: stable_key(entry.chunk, entry.identity))
+    ordered = [entry.item for entry in _dedupe(keyed)]
     if order != "cache_aware":
         return ordered
     if cached_len is None:
@@ -261,7 +296,9 @@ def _join_system_prompt(system_prompt: str | Sequence[str]) -> str:
     """The system prompt(s) as one normalized string, parts separated by a blank line."""
     parts = [system_prompt] if isinstance(system_prompt, str) else list(system_prompt)
     for index, part in enumerate(parts):
-        _require(part, str, "system_prompt" if isinstance(system_prompt, str) else f"system_prompt[{index}]")
+        name = "system_prompt" if isinstance(system_prompt, str) else f"system_prompt[{index}]"
+        _require(part, str, name)
+        check_utf8(name, part)
     return "\n\n".join(filter(None, map(normalize_text, parts)))
 
 
@@ -279,7 +316,9 @@ def _volatile_segment(volatile: Mapping[str, str] | None) -> str:
     fields = list((volatile or {}).items())
     for key, value in fields:
         _require(key, str, "volatile keys")
+        check_utf8("a volatile key", key)
         _require(value, str, f"volatile[{key!r}]")
+        check_utf8(f"volatile[{key!r}]", value)
     return "".join(_segment(f"{normalize_text(key)}: {normalize_text(value)}") for key, value in sorted(fields))
 
 
@@ -308,13 +347,29 @@ class CanonicalPrompt:
     segments: list[dict] | None = None
 
 
+Segment = list[Piece]
+"""A segment of a prompt as the model sees it: template text and literal content (see
+pagedrag.engine.literal_text)."""
+
+
+class _Fit(NamedTuple):
+    """What fitting chunks into the budget decided: ``kept`` (the last one cut short when
+    ``truncated``) and ``dropped``; ``rejected`` is the smallest leading chunks + candidate
+    found not to fit (None when everything fit)."""
+
+    kept: list[Chunk]
+    dropped: list[Chunk]
+    truncated: bool
+    rejected: list[Chunk] | None
+
+
 class PromptCanonicalizer:
     """Builds cache-friendly RAG prompts (see the module docstring for the layout).
 
     - ``system_prompt``: one string or several (joined by a blank line); a warning
       (``VolatileSystemPromptWarning``, once per distinct prompt) flags dates and ids in it.
     - ``order``: "stable" (default), "cache_aware" (needs ``engine`` and ``tokenizer``) or
-      "relevance"; see ``canonical_order``.
+      "relevance"; see ``canonical_order``. Duplicates are chunks that render alike.
     - ``tokenizer``: a Hugging Face tokenizer; needed for token ids, cache-aware order and
       ``max_prompt_tokens``.
     - ``engine``: anything with ``cached_prefix_len(prompt_token_ids, cache_salt)``.
@@ -326,6 +381,11 @@ class PromptCanonicalizer:
     - ``chunk_template``: how a chunk is rendered (see ``DEFAULT_CHUNK_TEMPLATE``).
     - ``chat``: whether the model gets ``messages`` through the tokenizer's chat template
       (True) or ``text`` as is; decides how ``token_ids`` and cache probes are tokenized.
+
+    Special tokens: only the chat template's own text yields special tokens (and BOS where the
+    tokenizer adds one); a special-token string in the system prompt, a chunk, a volatile field
+    or the query is encoded as literal text (pagedrag.engine.literal_text). Prompts without
+    such strings are tokenized exactly as the tokenizer tokenizes their whole text.
     """
 
     def __init__(self, system_prompt: str | Sequence[str] = "", order: str = "stable", *,
@@ -349,103 +409,180 @@ class PromptCanonicalizer:
               volatile: Mapping[str, str] | None = None, cache_salt: str | None = None) -> CanonicalPrompt:
         """The canonical prompt for a query, its retrieved chunks and its volatile fields."""
         _require(query, str, "query")
+        check_utf8("query", query)
         tail = _volatile_segment(volatile) + normalize_text(query)
         ordered = self.order_chunks(chunks, cache_salt)
-        kept, dropped, truncated = (self._fit(ordered, tail) if self.max_prompt_tokens is not None
+        kept, dropped, truncated = (self._fit(ordered, tail)[:3] if self.max_prompt_tokens is not None
                                     else (ordered, [], False))
         content = self._content(kept, tail)
-        token_ids = self._ids(self._head + content + self._tail) if self.tokenizer is not None else None
-        segments = self._segment_ids(kept, tail) if self.tokenizer is not None else None
+        token_ids = segments = None
+        if self.tokenizer is not None:
+            token_ids, segments = self._token_ids_and_segments(self._segments(kept, tail))
         return CanonicalPrompt(self._plain_head + content, self._messages(content),
                                kept, dropped, truncated, token_ids, segments)
 
     def order_chunks(self, chunks: Iterable[ChunkLike], cache_salt: str | None = None) -> list[Chunk]:
-        """The chunks as Chunks, deduplicated, in this canonicalizer's order."""
+        """The chunks as Chunks, deduplicated (by how they render), in this canonicalizer's order.
+        Raises ValueError naming the chunk (``chunks[i]``) that the chunk template cannot render."""
         as_chunks = [chunk for _, chunk in _chunk_pairs(chunks, as_chunk)]
-        return canonical_order(as_chunks, self.order,
+        return canonical_order(as_chunks, self.order, identity=self._identity,
                                cached_len=lambda leading: self._cached_len(leading, cache_salt))
 
     # ---- layout ------------------------------------------------------------------------
     def _render_chunk(self, chunk: Chunk, index: int) -> str:
+        """The chunk's segment; ValueError if the template asks for what the chunk lacks."""
         position = "" if chunk.position is None else chunk.position
-        return _segment(self.chunk_template.format(
-            text=chunk.text, source=chunk.source_id or "unknown", position=position,
-            index=index, metadata=chunk.metadata))
+        try:
+            rendered = self.chunk_template.format(
+                text=chunk.text, source=chunk.source_id or "unknown", position=position,
+                index=index, metadata=chunk.metadata)
+        except (KeyError, IndexError, AttributeError, TypeError, ValueError) as err:
+            raise ValueError(f"chunk_template {self.chunk_template!r} cannot render this chunk "
+                             f"(source_id={chunk.source_id!r}): {type(err).__name__} {err}") from None
+        check_utf8("the rendered chunk (its metadata)", rendered)
+        return _segment(rendered)
+
+    def _identity(self, chunk: Chunk) -> str:
+        """What the prompt shows of a chunk wherever it lands: its rendering at index 0."""
+        return self._render_chunk(chunk, 0)
 
     def _content(self, chunks: list[Chunk], tail: str) -> str:
         """The user part of the prompt: chunk segments, then ``tail`` (volatile fields, query)."""
         return "".join(self._render_chunk(chunk, index) for index, chunk in enumerate(chunks, 1)) + tail
 
-    def _messages(self, content: str) -> list[dict[str, str]]:
-        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+    def _messages(self, content: str, system_prompt: str | None = None) -> list[dict[str, str]]:
+        system_prompt = self.system_prompt if system_prompt is None else system_prompt
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         return system + [{"role": "user", "content": content}]
 
-    def _frame(self) -> tuple[str, str]:
+    def _render_chat(self, content: str, system_prompt: str | None = None) -> str:
+        return self.tokenizer.apply_chat_template(
+            self._messages(content, system_prompt), tokenize=False, add_generation_prompt=True)
+
+    def _frame(self) -> tuple[Segment, str]:
         """(head, tail): what the model sees is head + user content + tail.
 
-        Through a chat template, found by rendering a sentinel as the user content; as plain
-        text, the system segment and nothing.
+        Through a chat template, found by rendering a marker as the user content (and, to
+        locate the system prompt in the head, as the system prompt too); as plain text, the
+        system segment and nothing. Invariant: the head's literal pieces are exactly the
+        system prompt's text. Raises ValueError if the template changes a system prompt that
+        holds special-token strings (they could not be kept literal).
         """
         if not (self.chat and self.tokenizer is not None):
-            return self._plain_head, ""
-        rendered = self.tokenizer.apply_chat_template(
-            self._messages(_SENTINEL), tokenize=False, add_generation_prompt=True)
-        head, tail = rendered.split(_SENTINEL)
-        return head, tail
+            return [Piece(self._plain_head, True)], ""
+        head, tail = TemplateFrame.of(lambda slots: self._render_chat(slots[0]), 1).pieces
+        if not self.system_prompt:
+            return [Piece(head, False)], tail
+        before, after, _ = TemplateFrame.of(lambda slots: self._render_chat(slots[1], slots[0]), 2).pieces
+        if before + self.system_prompt + after == head:
+            return [Piece(before, False), Piece(self.system_prompt, True), Piece(after, False)], tail
+        if has_special_text(self.tokenizer, self.system_prompt):
+            raise ValueError("the chat template changes the system prompt's text, so the special-token "
+                             "strings in the system prompt cannot be kept literal; remove them")
+        return [Piece(head, False)], tail
+
+    def _segments(self, chunks: list[Chunk], tail: str) -> list[Segment]:
+        """The prompt by segment: head, one per chunk, then volatile fields, query and template tail."""
+        return ([self._head] + [self._chunk_segment(chunk, index) for index, chunk in enumerate(chunks, 1)]
+                + [self._tail_segment(tail)])
+
+    def _chunk_segment(self, chunk: Chunk, index: int) -> Segment:
+        return [Piece(self._render_chunk(chunk, index), True)]
+
+    def _tail_segment(self, tail: str) -> Segment:
+        return [Piece(tail, True), Piece(self._tail, False)]
 
     # ---- tokens ------------------------------------------------------------------------
-    def _ids(self, model_text: str) -> list[int]:
-        """Token ids of text as the model sees it (a rendered chat template has its specials)."""
-        return self.tokenizer.encode(model_text, add_special_tokens=not self.chat)
+    def _ids(self, segments: Sequence[Segment], first: bool = True) -> list[int]:
+        """Token ids of the segments' text as the model sees it (``first``: they start the
+        prompt, so the tokenizer adds its BOS where it does; chat text has its own specials)."""
+        pieces = [piece for segment in segments for piece in segment]
+        return encode_pieces(self.tokenizer, pieces, add_special_tokens=first and not self.chat)
 
-    def _segment_ids(self, chunks: list[Chunk], tail: str) -> list[dict] | None:
-        """The prompt's token ids by segment: each segment's are what encoding the text up to its
-        end adds to the encoding up to its start (a prefix of it, by the boundary invariant);
-        None if a tokenizer breaks that."""
-        pieces = [(self._head, False)]
-        pieces += [(self._render_chunk(chunk, index), True) for index, chunk in enumerate(chunks, 1)]
-        pieces.append((tail + self._tail, False))
-        segments, done, text = [], [], ""
-        for piece, reusable in pieces:
-            text += piece
-            ids = self._ids(text)
-            if ids[:len(done)] != done:
+    def _token_ids_and_segments(self, segments: list[Segment]) -> tuple[list[int], list[dict] | None]:
+        """The prompt's token ids, and the same split by segment (see ``_split``)."""
+        if not getattr(self.tokenizer, "is_fast", False):  # no offsets to split by
+            return self._ids(segments), None
+        pieces = [piece for segment in segments for piece in segment]
+        ids, offsets = encode_with_offsets(self.tokenizer, pieces, add_special_tokens=not self.chat)
+        return ids, self._split(segments, ids, offsets)
+
+    def _split(self, segments: list[Segment], ids: list[int], offsets: list[tuple[int, int]]) -> list[dict] | None:
+        """The token ids by segment, {"token_ids", "reusable"} (chunk segments are reusable).
+
+        Invariant (checked): each segment's ids are what encoding the prompt up to its end adds
+        to the encoding up to its start, so a chunk's ids do not depend on what follows. The
+        check is local, which keeps it linear: a segment's ids must be the last ids of the
+        encoding of it and the segment before it alone (the boundary invariant of the module
+        docstring makes this hold). None if a token spans two segments or the check fails.
+        """
+        ends = list(itertools.accumulate(sum(len(piece.text) for piece in segment) for segment in segments))
+        cuts = _token_cuts(offsets, ends)
+        if cuts is None:
+            return None
+        starts = [0] + cuts[:-1]
+        for index in range(len(segments) - 1):
+            window_start = starts[max(index - 1, 0)]
+            expected = ids[window_start:cuts[index]]
+            window = self._ids(segments[max(index - 1, 0):index + 1], first=index <= 1)
+            own = cuts[index] - starts[index]
+            if (window != expected) if index <= 1 else (window[len(window) - own:] != expected[len(expected) - own:]):
                 return None
-            segments.append({"token_ids": ids[len(done):], "reusable": reusable})
-            done = ids
-        return segments
+        return [{"token_ids": ids[start:end], "reusable": 0 < index < len(segments) - 1}
+                for index, (start, end) in enumerate(zip(starts, cuts))]
 
     def _cached_len(self, leading: list[Chunk], cache_salt: str | None) -> int:
         """Cached tokens of a prompt that starts with these chunks, as the engine reports."""
-        return self.engine.cached_prefix_len(self._ids(self._head + self._content(leading, "")), cache_salt)
+        return self.engine.cached_prefix_len(self._ids([self._head, [Piece(self._content(leading, ""), True)]]),
+                                             cache_salt)
 
-    def _fit(self, chunks: list[Chunk], tail: str) -> tuple[list[Chunk], list[Chunk], bool]:
-        """(kept, dropped, truncated) under max_prompt_tokens, by the rule in the class docstring."""
+    # ---- the budget ----------------------------------------------------------------------
+    def _fit(self, chunks: list[Chunk], tail: str) -> _Fit:
+        """(kept, dropped, truncated, rejected) under max_prompt_tokens, by the rule in the class
+        docstring. Sizes come from encoding segment by segment (linear in the prompt); the
+        decision is confirmed by encoding the result, and the smallest rejected prompt, whole,
+        and remade with whole-prompt sizes (as ``_fit_exact``) if either disagrees."""
+        fixed = len(self._ids(self._segments([], tail)))
+        self._check_fixed(fixed, tail)
+        fit = self._greedy(chunks, _SegmentSizes(self, tail))
         budget = self.max_prompt_tokens
+        if len(self._ids(self._segments(fit.kept, tail))) <= budget and (
+                fit.rejected is None or len(self._ids(self._segments(fit.rejected, tail))) > budget):
+            return fit
+        return self._fit_exact(chunks, tail)
 
-        def size(kept: list[Chunk]) -> int:
-            return len(self._ids(self._head + self._content(kept, tail) + self._tail))
+    def _fit_exact(self, chunks: list[Chunk], tail: str) -> _Fit:
+        """As ``_fit``, with every size from encoding the whole prompt (quadratic)."""
+        self._check_fixed(len(self._ids(self._segments([], tail))), tail)
+        return self._greedy(chunks, _WholeSizes(self, tail))
 
-        fixed = size([])
+    def _check_fixed(self, fixed: int, tail: str) -> None:
+        """Raise ValueError if the prompt without chunks (``fixed`` tokens) exceeds the budget."""
+        budget = self.max_prompt_tokens
         if fixed > budget:
-            frame = len(self._ids(self._head + self._tail))
+            frame = len(self._ids([self._head, self._tail_segment("")]))
             raise ValueError(
                 f"the prompt without retrieved chunks takes {fixed} tokens (system prompt and template "
                 f"{frame}, volatile fields and query {fixed - frame}), more than max_prompt_tokens={budget}")
-        kept: list[Chunk] = []
-        for index, chunk in enumerate(chunks):
-            if size(kept + [chunk]) <= budget:
-                kept.append(chunk)
-                continue
-            part = self._truncate(chunk, lambda candidate: size(kept + [candidate]) <= budget)
-            if part is None:
-                return kept, chunks[index:], False
-            return kept + [part], chunks[index + 1:], True
-        return kept, [], False
 
-    def _truncate(self, chunk: Chunk, fits: Callable[[Chunk], bool]) -> Chunk | None:
-        """The chunk cut to its longest leading run of tokens that fits, or None if none does."""
-        ids = self.tokenizer.encode(chunk.text, add_special_tokens=False)
+    def _greedy(self, chunks: list[Chunk], sizes: "_WholeSizes") -> _Fit:
+        """The budget rule, with sizes of the kept chunks plus one candidate from ``sizes``."""
+        budget = self.max_prompt_tokens
+        for index, chunk in enumerate(chunks):
+            if sizes.with_candidate(chunk) <= budget:
+                sizes.keep(chunk)
+                continue
+            part, failing = self._truncate(chunk, lambda candidate: sizes.with_candidate(candidate) <= budget)
+            rejected = sizes.kept + [failing]
+            if part is None:
+                return _Fit(sizes.kept, chunks[index:], False, rejected)
+            return _Fit(sizes.kept + [part], chunks[index + 1:], True, rejected)
+        return _Fit(sizes.kept, [], False, None)
+
+    def _truncate(self, chunk: Chunk, fits: Callable[[Chunk], bool]) -> tuple[Chunk | None, Chunk]:
+        """(the chunk cut to its longest leading run of tokens that fits, or None if none
+        does; the shortest cut found not to fit, or the whole chunk)."""
+        ids = encode_literal(self.tokenizer, chunk.text)
 
         def cut(count: int) -> Chunk:
             return dataclasses.replace(chunk, text=self.tokenizer.decode(ids[:count]).rstrip("\ufffd"))
@@ -458,4 +595,63 @@ class PromptCanonicalizer:
             else:
                 high = middle - 1
         part = cut(low)
-        return part if low > 0 and part.text else None
+        failing = cut(low + 1) if low + 1 < len(ids) else chunk
+        return (part if low > 0 and part.text else None), failing
+
+
+class _WholeSizes:
+    """Token counts of the prompt with the kept chunks plus a candidate, each from encoding
+    the whole prompt."""
+
+    def __init__(self, canon: PromptCanonicalizer, tail: str) -> None:
+        self.canon, self.tail, self.kept = canon, tail, []
+
+    def with_candidate(self, candidate: Chunk) -> int:
+        return len(self.canon._ids(self.canon._segments(self.kept + [candidate], self.tail)))
+
+    def keep(self, chunk: Chunk) -> None:
+        self.kept.append(chunk)
+
+
+class _SegmentSizes(_WholeSizes):
+    """As _WholeSizes, summed segment by segment: each segment's tokens are what encoding it
+    after the segment before adds (the boundary invariant makes the sum the whole's count).
+    Cost per call: the candidate, its predecessor and the tail, not the whole prompt."""
+
+    def __init__(self, canon: PromptCanonicalizer, tail: str) -> None:
+        super().__init__(canon, tail)
+        self.last, self.total = canon._head, len(canon._ids([canon._head]))
+        self.tail_segment = canon._tail_segment(tail)
+
+    def _added(self, before: Segment, segment: Segment) -> int:
+        first = before is self.canon._head
+        return len(self.canon._ids([before, segment], first)) - len(self.canon._ids([before], first))
+
+    def _chunk(self, chunk: Chunk) -> Segment:
+        return self.canon._chunk_segment(chunk, len(self.kept) + 1)
+
+    def with_candidate(self, candidate: Chunk) -> int:
+        segment = self._chunk(candidate)
+        return self.total + self._added(self.last, segment) + self._added(segment, self.tail_segment)
+
+    def keep(self, chunk: Chunk) -> None:
+        segment = self._chunk(chunk)
+        self.total += self._added(self.last, segment)
+        self.last = segment
+        super().keep(chunk)
+
+
+def _token_cuts(offsets: list[tuple[int, int]], ends: list[int]) -> list[int] | None:
+    """For each segment (ending at character ``ends[k]``), the index of the token after its
+    last; tokens with empty spans (added BOS/EOS) stay with the token before. None if a token
+    spans two segments."""
+    cuts, segment = [], 0
+    for index, (start, end) in enumerate(offsets):
+        if start == end:
+            continue
+        while segment < len(ends) - 1 and start >= ends[segment]:
+            cuts.append(index)
+            segment += 1
+        if end > ends[segment]:
+            return None
+    return cuts + [len(offsets)] * (len(ends) - len(cuts))

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from pagedrag.rag.canonical import CachedPrefixSource, detect_volatile
 from pagedrag.config import EngineArgs
 from pagedrag.rag.tokenizer import load_tokenizer
+from pagedrag.text_checks import check_utf8
 
 _WINDOW = 20  # characters of context shown on each side of the divergence
 _SNIPPET = 32  # characters after the divergence looked for elsewhere (reordering)
@@ -114,14 +115,16 @@ def _show(before: str, after: str) -> str:
 
 # ---- tokens and text --------------------------------------------------------------------
 
-def _tokens_and_text(prompt: str | list[int], tokenizer: Any) -> tuple[list[int], str]:
-    """(token ids, text) of a prompt given as text (encoded as the engine does) or as ids."""
+def _tokens_and_text(prompt: str | list[int], tokenizer: Any, name: str = "prompt") -> tuple[list[int], str]:
+    """(token ids, text) of a prompt given as text (encoded as the engine does) or as ids.
+    Raises TypeError or ValueError (text that is not valid UTF-8) naming the prompt."""
     if isinstance(prompt, str):
+        check_utf8(name, prompt)
         ids = tokenizer.encode(prompt, add_special_tokens=True)
     elif isinstance(prompt, (list, tuple)) and all(isinstance(token, int) for token in prompt):
         ids = list(prompt)
     else:
-        raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        raise TypeError(f"{name} must be a str or a list of token ids, got {type(prompt).__name__}")
     return ids, _decode(tokenizer, ids)
 
 
@@ -227,8 +230,8 @@ def explain(prompt: str | list[int], reference: str | list[int], tokenizer: Any,
     ``block_size`` is the engine's (None: ``default_block_size()``)."""
     block_size = default_block_size() if block_size is None else block_size
     _check_block_size(block_size)
-    ids_a, text_a = _tokens_and_text(prompt, tokenizer)
-    ids_b, text_b = _tokens_and_text(reference, tokenizer)
+    ids_a, text_a = _tokens_and_text(prompt, tokenizer, "prompt")
+    ids_b, text_b = _tokens_and_text(reference, tokenizer, "reference")
     common = _common_prefix_len(ids_a, ids_b)
     if common == min(len(ids_a), len(ids_b)):
         return _explanation("none" if ids_a == ids_b else "extension", block_size, len(ids_a), common)
@@ -298,8 +301,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         prompt_a, prompt_b = _cli_prompts(args)
         _check_block_size(args.block_size)
+        tokenizer = load_tokenizer(args.model)
+        explanation = explain(prompt_a, prompt_b, tokenizer, args.block_size)
     except (OSError, ValueError) as err:
         print(f"pagedrag explain: {err}", file=sys.stderr)
         return 2
-    print(explain(prompt_a, prompt_b, load_tokenizer(args.model), args.block_size))
+    print(explanation)
     return 0

@@ -29,7 +29,7 @@ class PromptBlocks:
                  chat_template: str | None = None, chunk_reuse: bool = False):
         tokenizer = load_tokenizer(model)
         self.inputs = InputProcessor(tokenizer, len(tokenizer), _MAX_MODEL_LEN, max_num_seqs=1)
-        self.inputs.segment_prompts = chunk_reuse  # segments are tokenized apart: other token ids
+        self.inputs.segment_prompts = chunk_reuse  # as the replicas cut prompts into segments
         self.block_size = block_size
         self.salt_by_api_key = salt_by_api_key
         self.chat_template = chat_template

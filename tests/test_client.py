@@ -312,6 +312,47 @@ def test_engine_arguments_that_are_dicts_name_one_shared_engine(monkeypatch):
     assert inprocess.shared_engine(None, {"speculative_config": {**config, "num_speculative_tokens": 2}}) is not first
 
 
+# ---- truncate_prompt_tokens and exit with work in flight ---------------------------------
+LONG_TEXT = "hello " * 600  # ~600 tokens: more than the engine's max_model_len (512)
+
+
+@pytest.mark.parametrize("client_name", ["local", "remote"])
+@pytest.mark.parametrize("prompt", [LONG_TEXT, [{"role": "user", "content": LONG_TEXT}]], ids=["text", "chat"])
+def test_truncate_prompt_tokens_cuts_a_too_long_prompt_before_its_length_is_checked(request, client_name, prompt):
+    """As vLLM: the last 100 tokens are kept, then checked (in process, and by the server's
+    /v1/completions and /v1/chat/completions); without truncation the prompt is refused."""
+    client: EngineClient = request.getfixturevalue(client_name)
+    assert client.generate(prompt, _greedy(max_tokens=2, truncate_prompt_tokens=100)).prompt_tokens == 100
+    with pytest.raises((ValueError, RemoteError), match="max_model_len|maximum context length|512"):
+        client.generate(prompt, _greedy(max_tokens=2))
+
+
+_EXIT_IN_FLIGHT = """
+import threading, time
+from pagedrag.client import connect
+from pagedrag.sampling_params import SamplingParams
+client = connect(engine_kwargs={"max_model_len": 512, "num_gpu_blocks_override": 64})
+params = SamplingParams(max_tokens=400, ignore_eos=True)
+threading.Thread(target=lambda: client.generate("Tell me a long story", params), daemon=True).start()
+while client.shared.engine.num_in_flight == 0:
+    time.sleep(0.01)
+time.sleep(0.3)
+print("exiting while the engine generates", flush=True)
+"""
+
+
+def test_exit_with_a_request_in_flight_is_clean():
+    """The shared engines are shut down at exit (their threads joined before torch tears
+    down): the process ends with its own exit status, not an abort."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_IN_FLIGHT], capture_output=True, text=True, timeout=300)
+    assert "exiting while the engine generates" in done.stdout
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
+
+
 def test_shutdown_shared_engines_frees_them_and_later_clients_load_anew():
     """Run last in this module: it shuts down the module's shared engine too."""
     from pagedrag.client import shutdown_shared_engines
@@ -325,3 +366,4 @@ def test_shutdown_shared_engines_frees_them_and_later_clients_load_anew():
     assert second.shared is not first.shared
     assert second.generate("Hello", _greedy(max_tokens=2)).text
     assert shutdown_shared_engines() == 1
+

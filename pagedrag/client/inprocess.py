@@ -5,6 +5,7 @@ prefix cache instead of loading again."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import json
 import threading
@@ -53,17 +54,21 @@ class SharedEngine:
         """The engine's prompt and parameters for a request: the prompt is cut around
         ``chunks`` (with chunk reuse), a chat's tools are checked and rendered, a forced tool
         choice becomes the parameters' grammar, and the grammar is compiled here, on the
-        caller's thread, not on the engine's."""
+        caller's thread, not on the engine's. The parameters' ``truncate_prompt_tokens`` cuts
+        the prompt (to its last tokens) before its length is checked."""
+        truncate = params.truncate_prompt_tokens  # applied before the length check, as vLLM
         with self._inputs_lock:
             if isinstance(prompt, str):
                 if tools is not None:
                     raise ValueError("tools need a chat (a list of messages), not a text prompt")
-                return self.inputs.process(prompt, cache_salt, chunks=chunks), params, None
+                return self.inputs.process(prompt, cache_salt, truncate, chunks=chunks), params, None
             plan = None if tools is None else self.inputs.plan_tools(tools.tools, tools.tool_choice,
                                                                      tools.parallel_tool_calls)
             params = params if plan is None else plan.constrain(params)
             self.inputs.compile_constraint(params)
-            return self.inputs.render_chat(prompt, cache_salt=cache_salt, tools=plan, chunks=chunks), params, plan
+            chat = self.inputs.render_chat(prompt, cache_salt=cache_salt, tools=plan, chunks=chunks,
+                                           truncate_prompt_tokens=truncate)
+            return chat, params, plan
 
     async def submit(self, prompt: ProcessedPrompt, params: SamplingParams) -> RequestStream:
         """Queue a request at the end of this loop turn; its stream of RequestOutputs."""
@@ -114,7 +119,8 @@ def shared_engine(model: str | None, engine_kwargs: dict[str, Any]) -> SharedEng
 
 def shutdown_shared_engines() -> int:
     """Shut down every shared engine and forget it, which frees its weights and KV pool; returns
-    how many there were. Clients made before hold a dead engine (their requests fail with
+    how many there were. Each engine's thread is stopped and joined (AsyncLLMEngine.shutdown)
+    before this returns. Clients made before hold a dead engine (their requests fail with
     EngineDeadError); clients made after load a new one."""
     with _engines_lock:
         engines = list(_engines.values())
@@ -122,6 +128,14 @@ def shutdown_shared_engines() -> int:
     for shared in engines:
         shared.engine.shutdown()
     return len(engines)
+
+
+# At exit, the shared engines stop while the interpreter still runs threads: an engine thread
+# left stepping (a request in flight) while torch tears down aborts the process ("terminate
+# called without an active exception"). Registered at import, before the bridge's portal is
+# started (on first use), so it runs after the portal has stopped (atexit runs last-in first-out):
+# the portal's callers are cancelled first, their requests aborted, then the engines stop.
+atexit.register(shutdown_shared_engines)
 
 
 class InProcessClient(EngineClient):

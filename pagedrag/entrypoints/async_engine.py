@@ -61,7 +61,6 @@ _Queued = tuple[str, ProcessedPrompt, SamplingParams | None, Mailbox]
 """A request on its way into the engine: id, prompt, parameters, mailbox."""
 
 
-
 class AsyncLLMEngine:
     """An LLMEngine behind one thread, for many concurrent asyncio callers.
 
@@ -201,7 +200,7 @@ class AsyncLLMEngine:
         if params is not None:
             inputs.check_params(params)
             inputs.compile_constraint(params)
-        return inputs.process(prompt, cache_salt)
+        return inputs.process(prompt, cache_salt, params.truncate_prompt_tokens if params is not None else None)
 
     def _thread_inputs(self) -> InputProcessor:
         """This input thread's own copy of the engine's InputProcessor."""

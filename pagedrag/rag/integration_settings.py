@@ -13,6 +13,7 @@ every class that inherits this one.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, model_validator
@@ -29,6 +30,9 @@ DEFAULT_MAX_RETRIES = 2
 # Settings read into every request; None leaves a field to SamplingParams' default.
 # (max_tokens is always sent: None there means "until EOS", not SamplingParams' 16.)
 SERVER_ONLY = ("timeout", "max_retries")  # a connection's: an in-process engine has none
+# Engine arguments that a server (base_url) ignores at the value the replaced classes default
+# to: VllmServer inherits Vllm's trust_remote_code=True and never uses it.
+SERVER_IGNORED_ENGINE_ARGS = {"trust_remote_code": True}
 SAMPLING_SETTINGS = ("temperature", "max_tokens", "top_p", "top_k", "n", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "stop", "seed")
 
@@ -51,16 +55,16 @@ class EngineSettings(BaseModel):
     default_headers: dict[str, str] | None = Field(default=None,
                                                    description="HTTP headers sent to the server with every request.")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="pagedrag.EngineArgs fields.")
-    temperature: float = Field(default=0.0, description="0: greedy decoding.")
+    temperature: float | None = Field(default=0.0, description="0: greedy decoding; None: 1.0 (SamplingParams').")
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS,
                                    description="Most tokens to generate; None: until EOS.")
     top_p: float | None = Field(default=None, description="Nucleus sampling; None: 1.0 (off).")
     top_k: int | None = Field(default=None, description="Top-k sampling; None, 0 or -1: off.")
-    n: int = Field(default=1, description="Completions per prompt.")
+    n: int | None = Field(default=1, description="Completions per prompt; None: 1.")
     presence_penalty: float | None = Field(default=None, description="In [-2, 2]; None: 0.")
     frequency_penalty: float | None = Field(default=None, description="In [-2, 2]; None: 0.")
     repetition_penalty: float | None = Field(default=None, description="In (0, 2]; None: 1 (off).")
-    stop: list[str] | None = Field(default=None, description="Stop strings.")
+    stop: list[str] | str | None = Field(default=None, description="Stop strings (one may be given as a string).")
     seed: int | None = None
     cache_salt: str | None = Field(default=None, description="Keeps this tenant's cached prefixes apart.")
     timeout: float | None = Field(default=None,
@@ -79,6 +83,11 @@ class EngineSettings(BaseModel):
     @model_validator(mode="after")
     def _check_settings(self) -> "EngineSettings":
         """Refuse now what a call would refuse later (see the class's invariants)."""
+        if self.base_url is not None:
+            kept = drop_ignored(self.engine_kwargs, SERVER_IGNORED_ENGINE_ARGS, type(self).__name__,
+                                "the server (base_url) runs with its own flags")
+            if kept is not self.engine_kwargs:  # (assigning marks the field as set)
+                self.engine_kwargs = kept
         check_connection(self.base_url, self.engine_kwargs, self.default_headers)
         if self.base_url is None:
             engine_args(self.model_id, self.engine_kwargs)
@@ -88,11 +97,18 @@ class EngineSettings(BaseModel):
 
     def _warn_server_only(self) -> None:
         """A logged warning (the ecosystem's way with a client setting a back end does not
-        use) for connection settings given to an in-process engine."""
-        given = [name for name in SERVER_ONLY if name in self.model_fields_set]
+        use) for connection settings given to an in-process engine. Only values other than
+        the defaults count: a saved instance loaded again (``to_dict`` / ``dumpd`` spell every
+        field out) is not warned about."""
+        given = [name for name in SERVER_ONLY if self._differs_from_default(name)]
         if given:
             logger.warning("%s: %s not used: connection settings of a server (base_url), and the engine runs in "
                            "process", type(self).__name__, " and ".join(given))
+
+    def _differs_from_default(self, name: str) -> bool:
+        """Whether the field was given, with a value other than its default."""
+        default = type(self).model_fields[name].get_default(call_default_factory=True)
+        return name in self.model_fields_set and getattr(self, name) != default
 
     @property
     def model_id(self) -> str | None:
@@ -148,3 +164,16 @@ class EngineSettings(BaseModel):
         """Leading tokens of ``prompt`` (a text, or chat messages) that the engine's prefix
         cache holds now for this instance's ``cache_salt``; what cache-aware order asks."""
         return cached_prefix_len(self.client, prompt, self.cache_salt)
+
+
+def drop_ignored(values: dict[str, Any], ignored: Mapping[str, Any], owner: str, why: str) -> dict[str, Any]:
+    """``values`` without the entries that hold the value ``ignored`` gives for their name (a
+    replaced class's default, which does nothing here), each named in a logged warning (the
+    ecosystem's way with a setting a back end does not use). Any other value of those names
+    stays, to be used or refused where it would be without this."""
+    dropped = sorted(name for name, value in ignored.items() if name in values and values[name] == value)
+    if not dropped:
+        return values
+    logger.warning("%s: %s not used (ignored, as the classes it replaces ignore it): %s", owner,
+                   ", ".join(f"{name}={values[name]!r}" for name in dropped), why)
+    return {name: value for name, value in values.items() if name not in dropped}

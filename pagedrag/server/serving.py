@@ -180,7 +180,8 @@ class Serving:
         """A conversation (with its ``tools``) through the model's chat template, cut around
         the request's prompt_chunks (with chunk reuse), or through the request's own template
         (only with --trust-request-chat-template, in the sandboxed renderer; never cut, so
-        prompt_chunks are then refused), off the event loop."""
+        prompt_chunks are then refused), off the event loop; cut to its last
+        truncate_prompt_tokens tokens before its length is checked."""
         conversation = request.conversation()
         try:
             template = request.request_chat_template()
@@ -190,7 +191,7 @@ class Serving:
                     kwargs["chat_template"] = self.config.chat_template
                 return await self.engine.preprocess(lambda inputs: inputs.render_chat(
                     conversation, request.add_generation_prompt, salt, tools, chunks=request.prompt_chunks,
-                    **kwargs))
+                    truncate_prompt_tokens=request.truncate_prompt_tokens, **kwargs))
             if tools is not None:
                 raise APIError(400, "tools cannot be combined with a chat template sent with the request",
                                param="tools")
@@ -198,7 +199,8 @@ class Serving:
                 raise APIError(400, "prompt_chunks cannot be combined with a chat template sent with the request "
                                     "(its rendering is never cut into segments)", param="prompt_chunks")
             text = await self._render_request_template(template, request)
-            return await self.engine.preprocess(lambda inputs: inputs.process_chat_text(text, salt))
+            return await self.engine.preprocess(
+                lambda inputs: inputs.process_chat_text(text, salt, truncate_prompt_tokens=request.truncate_prompt_tokens))
         except APIError:
             raise
         except Exception as error:  # jinja raises its own TemplateError types
@@ -214,12 +216,13 @@ class Serving:
 
     async def completion_prompts(self, request: CompletionRequest, salt: str | None) -> list[ProcessedPrompt]:
         """Each prompt of a (possibly batched) completion request (each text one cut around
-        the request's prompt_chunks, with chunk reuse), tokenized off the event loop."""
-        chunks = request.prompt_chunks
+        the request's prompt_chunks, with chunk reuse), tokenized off the event loop and cut to
+        its last truncate_prompt_tokens tokens before its length is checked."""
+        chunks, truncate = request.prompt_chunks, request.truncate_prompt_tokens
         try:
             prompts = request.engine_prompts()
-            return [await self.engine.preprocess(lambda inputs, p=p: inputs.process(p, salt, chunks=chunks))
-                    for p in prompts]
+            return [await self.engine.preprocess(
+                        lambda inputs, p=p: inputs.process(p, salt, truncate, chunks=chunks)) for p in prompts]
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param=request.prompt_field) from error
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from langchain_core.language_models import LangSmithParams
+from langchain_core.language_models import LangSmithParams, LanguageModelInput
+from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.utils import from_env, secret_from_env
 from langchain_core.utils.utils import _build_model_kwargs, get_pydantic_field_names
 from pydantic import Field, SecretStr, model_validator
 
-from pagedrag.client import DEFAULT_MODEL_NAME, Generation
+from pagedrag.client import DEFAULT_MODEL_NAME, Generation, run_sync
 from pagedrag.rag import aliases
 from pagedrag.rag.chunk_reuse_support import ChunkReuseSettings, chunk_reuse_figures, chunk_reuse_settings
-from pagedrag.rag.integration_settings import SAMPLING_SETTINGS
+from pagedrag.rag.integration_settings import SAMPLING_SETTINGS, drop_ignored
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.structured.params import response_format_fields
 
@@ -22,6 +23,9 @@ API_KEY_ENV, BASE_URL_ENV = "PAGEDRAG_API_KEY", "PAGEDRAG_BASE_URL"
 # and the retrieved chunks' texts, which go to the engine client (ChunkReuseSettings.call_chunks)
 _CALL_ONLY = ("stream", "stream_usage", "chunks")
 _CONSTRAINTS = ("structured_outputs", "guided_decoding")  # SamplingParams fields that shape a reply too
+# Arguments of the classes replaced (langchain_community's VLLM / VLLMOpenAI) that do nothing at
+# these values: dropped with a warning (drop_ignored); any other value is still refused
+_IGNORED_ARGUMENTS = {"use_beam_search": False}
 
 
 class LangChainSettings(ChunkReuseSettings):
@@ -62,13 +66,14 @@ class LangChainSettings(ChunkReuseSettings):
         model_kwargs, with a warning."""
         if not isinstance(values, dict):
             return values
-        values = chunk_reuse_settings(values)
+        values = drop_ignored(chunk_reuse_settings(values), _IGNORED_ARGUMENTS, cls.__name__,
+                              "pagedrag samples n completions, without beam search")
         values["model_kwargs"] = dict(values.get("model_kwargs") or {})  # moved from: not the caller's dict
         return _build_model_kwargs(values, get_pydantic_field_names(cls))
 
     @model_validator(mode="after")
     def _one_completion_when_streaming(self) -> "LangChainSettings":
-        if self.streaming and self.n != 1:
+        if self.streaming and self.n not in (1, None):
             raise ValueError(f"n must be 1 when streaming, got n={self.n}")
         return self
 
@@ -97,7 +102,7 @@ class LangChainSettings(ChunkReuseSettings):
         both = sorted(set(kwargs) & set(body))
         if both:
             raise ValueError(f"{both} set in both model_kwargs and extra_body; give each once")
-        logprobs = aliases.openai_logprobs(self.logprobs, self.top_logprobs)
+        logprobs = self.sampling_logprobs(self.logprobs, self.top_logprobs)
         return {**kwargs, **body, **({"logprobs": logprobs} if logprobs is not None else {})}
 
     @property
@@ -118,11 +123,34 @@ class LangChainSettings(ChunkReuseSettings):
         client's (``call_chunks``): they take no part."""
         call = {name: value for name, value in kwargs.items() if name not in _CALL_ONLY}
         if "logprobs" in call or "top_logprobs" in call:
-            call["logprobs"] = aliases.openai_logprobs(call.pop("logprobs", self.logprobs),
-                                                       call.pop("top_logprobs", self.top_logprobs))
+            call["logprobs"] = self.sampling_logprobs(call.pop("logprobs", self.logprobs),
+                                                      call.pop("top_logprobs", self.top_logprobs))
         if "response_format" in call:
             call = _with_response_format(call)
         return self.sampling(call, stop)
+
+    def sampling_logprobs(self, logprobs: bool | int | None, top_logprobs: int | None) -> int | None:
+        """SamplingParams.logprobs for a ``logprobs`` / ``top_logprobs`` pair: ChatOpenAI's
+        rule (a switch, and the number of alternatives: ``aliases.openai_logprobs``).
+        PagedRAGLLM overrides it with the completion LLMs' rule."""
+        return aliases.openai_logprobs(logprobs, top_logprobs)
+
+    # ---- one engine batch, failures per input ------------------------------------------
+    def batch(self, inputs: list[LanguageModelInput], config: RunnableConfig | list[RunnableConfig] | None = None,
+              *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        """Every input in one engine batch: ``abatch``, run to its end (Runnable's batch would
+        invoke each input on a thread of its own)."""
+        return run_sync(self.abatch(inputs, config, return_exceptions=return_exceptions, **kwargs))
+
+    async def abatch(self, inputs: list[LanguageModelInput],
+                     config: RunnableConfig | list[RunnableConfig] | None = None,
+                     *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+        """Runnable's abatch: one ``ainvoke`` per input, gathered on one event loop, so the
+        engine client queues them in one loop turn (one engine batch) and each input succeeds
+        or fails on its own; with ``return_exceptions`` a bad input's place holds its error
+        and the others their results. (BaseLLM's abatch sends every prompt in one generate
+        call, where one bad prompt fails them all.)"""
+        return await Runnable.abatch(self, inputs, config, return_exceptions=return_exceptions, **kwargs)
 
     def wants_stream_usage(self, kwargs: dict[str, Any]) -> bool:
         """A call's ``stream_usage`` keyword, else the instance's."""

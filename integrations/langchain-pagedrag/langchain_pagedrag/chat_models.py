@@ -20,11 +20,11 @@ from langchain_core.messages import (
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.prompt_values import PromptValue
-from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from pagedrag.client import Generation, Messages, run_sync
+from pagedrag.client import Generation, Messages
 from pagedrag.rag.chunk_reuse_support import cache_read_tokens
 from pagedrag.sampling_params import SamplingParams
 
@@ -81,13 +81,6 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._with_model_name(super()._get_ls_params(stop=stop, **kwargs), kwargs)
-
-    # ---- one engine batch --------------------------------------------------------------
-    def batch(self, inputs: list[LanguageModelInput], config: RunnableConfig | list[RunnableConfig] | None = None,
-              *, return_exceptions: bool = False, **kwargs: Any) -> list[BaseMessage]:
-        """Every input in one engine batch: the async batch, run to its end (the default
-        batch would invoke each input on a thread of its own)."""
-        return run_sync(self.abatch(inputs, config, return_exceptions=return_exceptions, **kwargs))
 
     # ---- tools and structured output ----------------------------------------------------
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,

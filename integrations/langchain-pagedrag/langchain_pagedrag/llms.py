@@ -11,6 +11,7 @@ from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation as LCGeneration
 from langchain_core.outputs import GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
+from pydantic import Field
 
 from pagedrag.client import Generation, run_sync, tier_hits
 from pagedrag.rag.chunk_reuse_support import chunk_reuse_figures
@@ -39,11 +40,31 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
     token). With chunk reuse, each prompt's call passes its
     ``chunks`` (``call_chunks``: a call's ``chunks=`` keyword, else the documents
     CanonicalDocuments(llm=this) told of that the prompt holds).
+
+    ``logprobs`` follows the completion LLMs it replaces (langchain_community's VLLM,
+    langchain_openai's OpenAI): an int, the number of alternatives per token (0: the sampled
+    token's only), in the constructor or per call; ChatOpenAI's ``logprobs=True`` with
+    ``top_logprobs`` is accepted too. ``batch`` / ``abatch`` with ``return_exceptions=True``
+    fail only the inputs that fail (ChatPagedRAG's batch).
     """
+
+    logprobs: bool | int | None = Field(default=None, description="Alternatives per generated token "
+                                                                    "(VLLM's / OpenAI's int; True: ChatOpenAI's).")
 
     @property
     def _llm_type(self) -> str:
         return "pagedrag"
+
+    def sampling_logprobs(self, logprobs: bool | int | None, top_logprobs: int | None) -> int | None:
+        """The completion LLMs' rule: an int ``logprobs`` is SamplingParams.logprobs itself
+        (then ``top_logprobs``, ChatOpenAI's other half, must be left out); a bool or None
+        is ChatOpenAI's switch (``LangChainSettings.sampling_logprobs``)."""
+        if logprobs is None or isinstance(logprobs, bool):
+            return super().sampling_logprobs(logprobs, top_logprobs)
+        if top_logprobs is not None:
+            raise ValueError(f"logprobs={logprobs} already counts the alternatives per token; top_logprobs "
+                             "goes with logprobs=True (ChatOpenAI's form)")
+        return logprobs
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._with_model_name(super()._get_ls_params(stop=stop, **kwargs), kwargs)

@@ -123,3 +123,10 @@ def test_leaving_a_stream_early_aborts_the_request(chat):
     stream.close()
     stats = chat.stats()
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+
+
+def test_truncate_prompt_tokens_rescues_a_too_long_prompt():
+    """vLLM's truncate_prompt_tokens (a model_kwargs field) keeps the last tokens before the
+    prompt's length (over max_model_len, 2048) is checked."""
+    chat = ChatPagedRAG(engine_kwargs=ENGINE_KWARGS, max_tokens=2, model_kwargs={"truncate_prompt_tokens": 100})
+    assert chat.invoke("hello " * 2100).usage_metadata["input_tokens"] == 100

@@ -137,3 +137,44 @@ def test_connection_settings_in_process_are_a_logged_warning(caplog):
     with caplog.at_level("WARNING", logger="pagedrag"):
         ChatPagedRAG(engine_kwargs=VLLM_KWARGS, timeout=30.0, max_retries=1)
     assert "timeout and max_retries not used" in caplog.text
+
+
+def test_completion_model_logprobs_count_alternatives_as_vllm():
+    """PagedRAGLLM's logprobs is VLLM's / OpenAI's int (in the constructor and per call);
+    ChatPagedRAG keeps ChatOpenAI's bool with top_logprobs."""
+    def alternatives(llm, **call):
+        info = llm.generate(["Hi"], **call).generations[0][0].generation_info
+        return [len(entry["top_logprobs"]) for entry in info["logprobs"]["content"]]
+
+    assert alternatives(PagedRAGLLM(engine_kwargs=VLLM_KWARGS, max_tokens=2, logprobs=1)) == [1, 1]
+    assert alternatives(PagedRAGLLM(engine_kwargs=VLLM_KWARGS, max_tokens=2), logprobs=3) == [3, 3]
+    assert PagedRAGLLM(logprobs=0).sampling_logprobs(0, None) == 0
+    assert PagedRAGLLM(logprobs=True, top_logprobs=2).sampling({}).logprobs == 2 == \
+        ChatPagedRAG(logprobs=True, top_logprobs=2).sampling({}).logprobs
+    with pytest.raises(ValidationError, match="top_logprobs goes with logprobs=True"):
+        PagedRAGLLM(logprobs=3, top_logprobs=2)
+    with pytest.raises(ValidationError):
+        ChatPagedRAG(logprobs=3)
+
+
+def test_chatopenai_stop_string_and_none_n_and_temperature_are_accepted():
+    """ChatOpenAI's stop is list[str] | str | None; its n and temperature may be None (the
+    engine's defaults: one completion, temperature 1.0)."""
+    chat = ChatPagedRAG(stop="\n", n=None, temperature=None)
+    assert chat.sampling({}) == SamplingParams(temperature=1.0, max_tokens=256, n=1, stop=["\n"])
+
+
+def test_vllm_default_use_beam_search_is_ignored_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="pagedrag"):
+        llm = PagedRAGLLM(use_beam_search=False)
+    assert llm.model_kwargs == {} and "use_beam_search=False not used" in caplog.text
+    with pytest.raises(TypeError, match=r"\['use_beam_search'\]"):
+        PagedRAGLLM(use_beam_search=True)
+
+
+def test_a_saved_model_loads_without_a_connection_warning(caplog):
+    """dumpd spells max_retries out at its default: not a user's setting to warn about."""
+    with caplog.at_level("WARNING", logger="pagedrag"):
+        load(dumpd(ChatPagedRAG(engine_kwargs=VLLM_KWARGS)), valid_namespaces=["langchain_pagedrag"],
+             allowed_objects=[ChatPagedRAG])
+    assert "not used" not in caplog.text

@@ -48,3 +48,22 @@ async def test_async_forms_agree(llm):
 def test_shares_the_engine_of_the_chat_model(llm, chat):
     assert llm.client.shared is chat.client.shared
     assert llm.stats() == chat.stats()
+
+
+@pytest.mark.asyncio
+async def test_batch_with_return_exceptions_fails_only_the_bad_prompt(llm):
+    """As ChatPagedRAG's batch: a prompt too long for max_model_len fails alone."""
+    prompts = [PROMPTS[1], "x " * 3000, PROMPTS[1]]
+    for results in (llm.batch(prompts, return_exceptions=True), await llm.abatch(prompts, return_exceptions=True)):
+        assert results[0] == results[2] == llm.invoke(PROMPTS[1])
+        assert isinstance(results[1], ValueError) and "max_model_len" in str(results[1])
+
+
+def test_batch_is_one_engine_batch(llm, monkeypatch):
+    engine = llm.client.shared.engine.engine
+    events = []
+    add_request, step = engine.add_request, engine.step
+    monkeypatch.setattr(engine, "add_request", lambda *a, **k: events.append("add") or add_request(*a, **k))
+    monkeypatch.setattr(engine, "step", lambda: events.append("step") or step())
+    llm.batch(PROMPTS * 2)
+    assert events[:4] == ["add"] * 4 and "add" not in events[4:]

@@ -139,3 +139,24 @@ def test_api_url_names_the_server():
     assert PagedRAG(api_url="http://127.0.0.1:8000/generate").base_url == "http://127.0.0.1:8000"
     assert PagedRAG(api_url="http://127.0.0.1:8000/v1/chat/completions/").base_url == "http://127.0.0.1:8000"
     assert PagedRAG(api_url="http://127.0.0.1:8000", api_headers={"X-Team": "a"}).default_headers == {"X-Team": "a"}
+
+
+def test_vllmserver_default_trust_remote_code_is_ignored_with_a_warning(caplog):
+    """VllmServer's own default (trust_remote_code=True, which it never uses) is accepted for
+    a server, with a warning; other engine arguments are still refused."""
+    with caplog.at_level(logging.WARNING, logger="pagedrag"):
+        llm = PagedRAG(api_url="http://127.0.0.1:9/generate", trust_remote_code=True)
+    assert llm.engine_kwargs == {} and "trust_remote_code=True not used" in caplog.text
+    with pytest.raises(ValidationError, match="configure an in-process engine"):
+        PagedRAG(api_url="http://127.0.0.1:9/generate", trust_remote_code=True, vllm_kwargs={"max_model_len": 1024})
+
+
+def test_a_saved_llm_loads_without_a_connection_warning(caplog):
+    """to_dict spells timeout and max_retries out at their defaults: not a user's settings;
+    a value of one's own is still warned about in process."""
+    with caplog.at_level(logging.WARNING, logger="pagedrag"):
+        PagedRAG.from_dict(PagedRAG(vllm_kwargs=VLLM_KWARGS).to_dict())
+    assert "not used" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="pagedrag"):
+        PagedRAG(vllm_kwargs=VLLM_KWARGS, max_retries=5)
+    assert "max_retries not used" in caplog.text

@@ -123,3 +123,12 @@ def test_non_text_content_is_refused(llm):
 def test_a_prompt_longer_than_the_context_window_is_a_value_error(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.complete("word " * (ENGINE_KWARGS["max_model_len"] + 10))
+
+
+def test_truncate_prompt_tokens_rescues_a_too_long_prompt(llm):
+    """vLLM's truncate_prompt_tokens keeps the last tokens before the prompt's length (over
+    max_model_len, 2048) is checked: in complete() and chat() alike."""
+    text = "hello " * 2100
+    assert llm.complete(text, truncate_prompt_tokens=100).additional_kwargs["prompt_tokens"] == 100
+    chat = llm.chat([ChatMessage(role=MessageRole.USER, content=text)], truncate_prompt_tokens=100)
+    assert chat.additional_kwargs["prompt_tokens"] == 100

@@ -56,6 +56,22 @@ def test_restart_on_the_disk_tier_equals_hf_and_the_cold_run(tiny, tmp_path):
     assert stats["tiers"]["disk"]["used_bytes"] > 0
 
 
+def test_a_request_waiting_for_disk_reads_does_not_spin_the_step_loop(tiny, tmp_path):
+    """While a request's blocks load, the step loop sleeps until a read lands: it used to wait
+    on reads already done, return at once and spin, holding the interpreter the reader
+    threads need (on the embedded model a block read took 20-60x its time alone)."""
+    path, prompts, expected = tiny
+    long_prompt = prompts[2] * 2  # 400 tokens: 25 blocks to read
+    _run(LLM(str(path), kv_disk_path=tmp_path, **ENGINE), [long_prompt])
+    restarted = LLM(str(path), kv_disk_path=tmp_path, **ENGINE)
+    engine, steps = restarted.llm_engine, []
+    step = engine.step
+    engine.step = lambda: steps.append(1) or step()
+    out = _run(restarted, [long_prompt])[0]
+    assert out.num_tier_hit_tokens == {"disk": 384}
+    assert len(steps) <= GREEDY.max_tokens + 25  # a step per landed read at most, then the decode steps
+
+
 def test_host_tier_serves_blocks_the_pool_let_go(tiny):
     path, prompts, expected = tiny
     llm = LLM(str(path), kv_offloading_size=0.01, **{**ENGINE, "num_gpu_blocks_override": 40})

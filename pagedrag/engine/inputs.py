@@ -206,14 +206,10 @@ class InputProcessor:
         expected = {None: "a text, a token-id list or a dict", "text": "a text", "token_ids": "a token-id list"}[kind]
         raise TypeError(f"{where} must be {expected}, got {type(item).__name__}")
 
-    def _encode_segment(self, text: str | Sequence[literal_text.Piece], special: bool) -> list[int]:
-        """A segment's token ids: a text as the tokenizer encodes it, or pieces of a rendered
-        chat (literal_text.chat_pieces) with their content's special-token strings literal."""
+    def _encode_segment(self, text: str, special: bool) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: give prompt_segments as token-id lists")
-        if isinstance(text, str):
-            return self.tokenizer.encode(text, add_special_tokens=special)
-        return literal_text.encode(self.tokenizer, text, add_special_tokens=special)
+        return self.tokenizer.encode(text, add_special_tokens=special)
 
     def _parse_whole(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         if isinstance(prompt, Mapping):

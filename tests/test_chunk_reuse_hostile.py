@@ -82,13 +82,16 @@ def test_chunks_are_found_in_any_order():
 def test_empty_segments_are_left_out(reuse, layout):
     """An empty segment before a reusable chunk failed the request in a step (IndexError in
     the chunk cache) and leaked the chunk's export blocks; it adds nothing to the prompt (an
-    empty head leaves the first chunk as the head)."""
+    empty head leaves the first chunk as the head). The reordered prompt reuses the chunks:
+    imported, or, when an earlier layout built the same prompt, its blended blocks."""
     names = {"S": SYSTEM, "A": CHUNKS[0], "B": CHUNKS[1], "C": CHUNKS[2], "Q": "Question: which module?\nAnswer:"}
     segments = [names.get(item, item) if isinstance(item, str) else item for item in layout]
+    blended_before = reuse.llm_engine.stats()["blended_prefix_hits"]
     for order in (segments, segments[:-3] + [segments[-2], segments[-3], segments[-1]]):  # then reordered: imported
         output = reuse.generate({"prompt_segments": order}, GREEDY, use_tqdm=False)[0]
         assert output.error is None and output.outputs[0].finish_reason == "length"
-    assert output.num_chunk_hit_tokens + output.num_recomputed_tokens > 0
+    blended = reuse.llm_engine.stats()["blended_prefix_hits"] - blended_before
+    assert output.num_chunk_hit_tokens + output.num_recomputed_tokens + blended > 0
     _pool_is_whole(reuse)
 
 

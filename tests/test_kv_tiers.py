@@ -84,25 +84,58 @@ def test_host_tier_serves_blocks_the_pool_let_go(tiny):
     assert again[0].num_tier_hit_tokens.get("host", 0) >= 160
 
 
+def _segments(*segments):
+    return {"prompt_segments": [{"token_ids": list(s)} for s in segments]}
+
+
 def test_chunk_reuse_through_the_disk_tier(tiny, tmp_path):
     """A chunk's position-independent KV goes through the disk tier: a restarted engine imports
-    it exactly as the engine that computed it imports it from its pool."""
+    it exactly as an engine that computed it imports it from its pool."""
     path, prompts, _ = tiny
     tokens = prompts[0]
     head, first, second, tail = tokens[:32], tokens[32:80], tokens[80:120], [9, 10, 11, 12, 13]
-    def prompt(*segments):
-        return {"prompt_segments": [{"token_ids": list(s)} for s in segments]}
     engine = {**ENGINE, "enable_chunk_reuse": True, "chunk_recompute_window": 0}  # `first` stays imported
     computing = LLM(str(path), kv_disk_path=tmp_path, **engine)
-    computing.generate(prompt(head, first, tail), GREEDY, use_tqdm=False)
-    from_pool = computing.generate(prompt(head, second, first, tail), GREEDY, use_tqdm=False)[0]
+    computing.generate(_segments(head, first, tail), GREEDY, use_tqdm=False)
     computing.llm_engine.flush_tiers()
+    computing.llm_engine.shutdown()
+    in_pool = LLM(str(path), **engine)  # no tier: the reference
+    in_pool.generate(_segments(head, first, tail), GREEDY, use_tqdm=False)
+    from_pool = in_pool.generate(_segments(head, second, first, tail), GREEDY, use_tqdm=False)[0]
     assert from_pool.num_chunk_hit_tokens > 0
     restarted = LLM(str(path), kv_disk_path=tmp_path, **engine)
-    from_disk = restarted.generate(prompt(head, second, first, tail), GREEDY, use_tqdm=False)[0]
+    from_disk = restarted.generate(_segments(head, second, first, tail), GREEDY, use_tqdm=False)[0]
     assert from_disk.num_chunk_hit_tokens == from_pool.num_chunk_hit_tokens
     assert from_disk.num_tier_hit_tokens["disk"] >= len(first)
     assert from_disk.outputs[0].token_ids == from_pool.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("window", [0, 48])
+def test_a_restarted_engine_takes_the_blocks_chunk_reuse_made(tiny, tmp_path, window):
+    """A prompt built with imported chunks is cached past its exact prefix under blended keys
+    (core.prefix_keys): the same prompt after a restart loads all but its last block from the
+    disk tier and computes only that, giving the first engine's answer token for token; a
+    prompt of the same tokens without segments (no chunk reuse) never takes them."""
+    path, prompts, _ = tiny
+    tokens = prompts[0]
+    head, first, second, tail = tokens[:32], tokens[32:80], tokens[80:128], [9, 10, 11, 12, 13]
+    engine = {**ENGINE, "enable_chunk_reuse": True, "chunk_recompute_window": window}
+    computing = LLM(str(path), kv_disk_path=tmp_path, **engine)
+    computing.generate(_segments(head, first, tail), GREEDY, use_tqdm=False)
+    built = computing.generate(_segments(head, second, first, tail), GREEDY, use_tqdm=False)[0]
+    assert built.num_chunk_hit_tokens + built.num_recomputed_tokens > 0  # `first` imported
+    computing.llm_engine.flush_tiers()
+    computing.llm_engine.shutdown()
+    restarted = LLM(str(path), kv_disk_path=tmp_path, **engine)
+    again = restarted.generate(_segments(head, second, first, tail), GREEDY, use_tqdm=False)[0]
+    num_full = (len(again.prompt_token_ids) - 1) // 16 * 16
+    assert again.num_cached_tokens == num_full and again.num_chunk_hit_tokens == 0
+    assert again.num_tier_hit_tokens == {"disk": num_full}
+    assert again.outputs[0].token_ids == built.outputs[0].token_ids
+    exact = len(head) + len(second)  # computed before the first import
+    assert restarted.stats()["blended_prefix_hits"] == num_full - exact
+    plain = restarted.generate({"prompt_token_ids": list(again.prompt_token_ids)}, GREEDY, use_tqdm=False)[0]
+    assert plain.num_cached_tokens == exact
 
 
 @pytest.mark.parametrize("window", [0, 16, 1000])
@@ -131,20 +164,20 @@ def test_tier_hits_of_a_chunk_are_its_tokens_not_computed_again(tiny, tmp_path, 
 
 def test_a_restarted_engine_knows_what_each_chunk_was_computed_after(tiny, tmp_path):
     """A chunk behind the segment it was computed after is imported whole (no token computed
-    again), after a restart as in the engine that computed it: the relation travels with the
+    again), after a restart as in an engine that computed it: the relation travels with the
     chunk's first block through the disk tier."""
     path, prompts, _ = tiny
     tokens = prompts[0]
     head, first, second, other = tokens[:32], tokens[32:80], tokens[80:120], tokens[120:160]
-    def prompt(*segments):
-        return {"prompt_segments": [{"token_ids": list(s)} for s in segments]}
     engine = {**ENGINE, "enable_chunk_reuse": True, "chunk_recompute_window": 0}
-    reordered = prompt(head, other, first, second, [9, 10, 11])  # `second` still follows `first`
+    computed, reordered = _segments(head, first, second, [5, 6, 7]), _segments(head, other, first, second, [9, 10, 11])
     computing = LLM(str(path), kv_disk_path=tmp_path, **engine)
-    computing.generate(prompt(head, first, second, [5, 6, 7]), GREEDY, use_tqdm=False)
-    in_process = computing.generate(reordered, GREEDY, use_tqdm=False)[0]
+    computing.generate(computed, GREEDY, use_tqdm=False)
     computing.llm_engine.flush_tiers()
     computing.llm_engine.shutdown()
+    in_pool = LLM(str(path), **engine)  # no tier: the reference
+    in_pool.generate(computed, GREEDY, use_tqdm=False)
+    in_process = in_pool.generate(reordered, GREEDY, use_tqdm=False)[0]  # `second` still follows `first`
     restarted = LLM(str(path), kv_disk_path=tmp_path, **engine)
     after_restart = restarted.generate(reordered, GREEDY, use_tqdm=False)[0]
     recompute_first = restarted.llm_engine.kv.chunks.recompute_count(len(first))

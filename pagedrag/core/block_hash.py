@@ -79,3 +79,17 @@ def chunk_block_hashes(key: BlockHash, chunk_token_ids: Sequence[int], block_siz
         parent = hashes[-1] if hashes else key
         hashes.append(hash_block(parent, chunk_token_ids[start:start + block_size], _TAG_CHUNK_BLOCK))
     return hashes
+
+
+_BLENDED_DOMAIN = b"pagedrag/kv-blended/v1"
+
+
+def blended_block_key(block_hash: BlockHash, settings: bytes, whole: bool) -> BlockHash:
+    """The key of a block whose KV chunk reuse made (core.prefix_keys): its exact chained hash
+    (every token up to the block's end, the tenant's salt), the chunk-reuse ``settings`` that
+    shaped the approximation, and whether the model computed all of the block (``whole``) or
+    some of it was copied from an imported chunk. Never equal to an exact or a chunk block hash."""
+    digest = hashlib.sha256(_BLENDED_DOMAIN)
+    for part in (block_hash, settings, b"W" if whole else b"C"):
+        digest.update(_length_prefixed(part))
+    return digest.digest()

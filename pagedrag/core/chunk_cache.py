@@ -96,6 +96,7 @@ class ChunkCacheStats:
 
     hits: int = 0
     recomputed: int = 0
+    blended_hits: int = 0  # prefix hits on blocks chunk reuse made (core.prefix_keys), counted in the prefix's too
 
 
 @dataclass
@@ -117,15 +118,18 @@ class _Held:
 
 class ChunkCache:
     def __init__(self, pool: BlockPool, block_size: int, recompute_fraction: float, model_id: str,
-                 question_window: int = 0):
+                 question_window: int = 0, recompute_strategy: str = "first"):
         self.pool = pool
         self.block_size = block_size
         self.recompute_fraction = recompute_fraction
         self.model_id = model_id
+        self.recompute_strategy = recompute_strategy  # which of a chunk's tokens: "first" or "deviation"
         self.min_chunk_tokens = block_size  # shorter chunks are cheaper to compute than to track
         # imported tokens just before the question recomputed on top of each chunk's share
         # (EngineArgs.chunk_recompute_window); at a fraction of 1 every token is recomputed anyway
         self.question_window = question_window if recompute_fraction < 1 else 0
+        # what shapes the approximation, in every blended block key (core.prefix_keys)
+        self.settings = f"{recompute_fraction!r}/{self.question_window}/{recompute_strategy}".encode()
         self.stats = ChunkCacheStats()
         self._held: dict[str, _Held] = {}
         # chunk key (first block hash) -> the key of the segment it was computed after; at most
@@ -290,6 +294,21 @@ class ChunkCache:
             self.stats.hits += plan.num_imported
             self.stats.recomputed += plan.num_recomputed
         return moves
+
+    def copied_ranges(self, request: Request, plan: ChunkPlan) -> list[tuple[int, int]]:
+        """The positions whose KV the plan copies from imported chunks and keeps: each imported
+        segment less the tokens recomputed at its end (the question window) and, with the
+        "first" strategy, at its start (the "deviation" strategy's picks are the model runner's:
+        all counted as copied)."""
+        recompute = {item.start: item for item in plan.recompute}
+        ranges = []
+        for index, _ in plan.imported:
+            segment = request.segments[index]
+            item = recompute.get(segment.start, Recompute(segment.start, segment.end, 0))
+            begin = segment.start + (item.count if self.recompute_strategy == "first" else 0)
+            if begin < segment.end - item.tail:
+                ranges.append((begin, segment.end - item.tail))
+        return ranges
 
     # ---- export -------------------------------------------------------------------------
     def plan_exports(self, request: Request, begin: int, end: int, table: list[KVBlock]) -> list[KVMove]:

@@ -9,7 +9,9 @@ Invariants:
 - Before a request writes into a block that other requests share (ref_count > 1),
   the block is copied: the copy is queued in ``pending_copies`` as (src, dst) and
   must run before the step's forward pass.
-- Only blocks below a request's ``exact_prefix_len`` (chunk reuse) go to the prefix cache.
+- Only blocks below a request's ``exact_prefix_len`` (chunk reuse) go to the prefix cache
+  under their exact hash; the others under a blended key (core.prefix_keys), found only by
+  requests that take part in chunk reuse.
 - Slots reserved for drafted tokens (speculative decoding) hold KV that counts only once
   the verifier accepts it (num_computed_tokens grows then); after verification the blocks
   past the request's known tokens are freed (``release_unused``), and only verified tokens
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from pagedrag.core.block_hash import BlockHash
 from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 from pagedrag.core.chunk_cache import ChunkCache
+from pagedrag.core.prefix_keys import PrefixKeys
 from pagedrag.core.request import Request
 from pagedrag.core.tier_loads import TierLoads
 from pagedrag.kv_tiers.tiers import KVTiers
@@ -59,6 +62,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.chunks = ChunkCache(self.pool, block_size, *chunk_reuse) if chunk_reuse and enable_caching else None
+        self.keys = PrefixKeys(block_size, self.chunks)
         self.cpu_free: list[int] = list(range(num_cpu_blocks))
         self.tables: dict[str, list[KVBlock]] = {}
         self.num_offered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
@@ -66,23 +70,19 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []
         self.swaps = SwapPlan()
         self.prefix_stats = PrefixCacheStats()
-        self.tier_loads = TierLoads(self.pool, block_size, tiers, self.chunks) if tiers and enable_caching else None
+        self.tier_loads = TierLoads(self.pool, block_size, tiers, self.chunks, self.keys) \
+            if tiers and enable_caching else None
         self.pool.record_newly_cached = self.tier_loads is not None
 
     # ---- lookup -----------------------------------------------------------
     def computed_blocks(self, request: Request) -> list[KVBlock]:
-        """The longest cached run of the request's full blocks, leaving its last token to compute."""
+        """The longest cached run of the request's full blocks (under the keys of
+        core.prefix_keys), leaving its last token to compute."""
         if not self.enable_caching or request.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position's hidden state
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
-        for index, block_hash in enumerate(request.block_hashes[:max_blocks]):
-            start = index * self.block_size
-            block = self.pool.lookup(block_hash, request.token_ids[start:start + self.block_size])
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self.keys.walk(request, 0, max_blocks, False, lambda index, key: self.pool.lookup(
+            key, request.token_ids[index * self.block_size:(index + 1) * self.block_size]))
 
     def cached_prefix_len(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
         """How many leading tokens of token_ids are in cached blocks (no side effects)."""
@@ -168,12 +168,12 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         table = self.tables.get(request.request_id, [])
-        num_exact = request.num_computed_tokens if request.exact_prefix_len is None else \
-            min(request.num_computed_tokens, request.exact_prefix_len)
-        num_full = min(num_exact // self.block_size, len(request.block_hashes))
+        num_cacheable = request.num_computed_tokens if request.exact_prefix_len is None or self.keys.blends(request) \
+            else min(request.num_computed_tokens, request.exact_prefix_len)
+        num_full = min(num_cacheable // self.block_size, len(request.block_hashes))
         for index in range(self.num_offered.get(request.request_id, 0), num_full):
             start = index * self.block_size
-            self.pool.cache(table[index], request.block_hashes[index],
+            self.pool.cache(table[index], self.keys.cache_key(request, index),
                             request.token_ids[start:start + self.block_size])
         self.num_offered[request.request_id] = max(num_full, self.num_offered.get(request.request_id, 0))
 

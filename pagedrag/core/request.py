@@ -78,6 +78,7 @@ class Request:
     # Chunk reuse (core.chunk_cache): KV is exact below exact_prefix_len (None: everywhere).
     exact_prefix_len: int | None = None
     imported_segments: set[int] = field(default_factory=set)
+    copied_blocks: set[int] = field(default_factory=set)  # blocks holding KV copied from chunks (core.prefix_keys)
     head_hash: bytes | None = None  # of segment 0, which every chunk key includes
     chunk_hashes: dict[int, list[BlockHash]] = field(default_factory=dict)  # by segment index
     num_chunk_hit_tokens: int = 0  # prompt tokens whose KV came from the chunk cache (first scheduling)
@@ -137,7 +138,7 @@ class Request:
         child.num_cached_tokens = self.num_cached_tokens
         child.bad_words_token_ids = self.bad_words_token_ids
         child.grammar = None if self.grammar is None else self.grammar.fork()
-        child.exact_prefix_len = self.exact_prefix_len
+        child.exact_prefix_len, child.copied_blocks = self.exact_prefix_len, set(self.copied_blocks)
         child.num_chunk_hit_tokens, child.num_recomputed_tokens = self.num_chunk_hit_tokens, self.num_recomputed_tokens
         child.num_tier_hit_tokens = dict(self.num_tier_hit_tokens)
         child.status = self.status

@@ -362,8 +362,9 @@ class Scheduler:
             if first_time:
                 request.num_tier_hit_tokens = self.kv.tier_loads.count_tier_hits(request, hits, plan)
             self.kv.tier_loads.release(request)
-        request.exact_prefix_len, request.imported_segments = None, set()
+        request.exact_prefix_len, request.imported_segments, request.copied_blocks = None, set(), set()
         imports = self.kv.chunks.admit(request, plan, self.kv.tables[request.request_id], first_time) if plan else []
+        self.kv.keys.admit(request, hits, plan, first_time)
         if first_time:
             request.num_cached_tokens = num_hit_tokens
             self.kv.record_prefix_query(request, num_hit_tokens)

@@ -34,6 +34,7 @@ import torch
 from pagedrag.core.block_hash import BlockHash
 from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 from pagedrag.core.chunk_cache import ChunkCache, ChunkPlan
+from pagedrag.core.prefix_keys import PrefixKeys
 from pagedrag.core.request import Request
 from pagedrag.kv_tiers.store import tier_hits
 from pagedrag.kv_tiers.tiers import CompletedRead, KVTiers
@@ -64,11 +65,13 @@ class _Waiting:
 
 
 class TierLoads:
-    def __init__(self, pool: BlockPool, block_size: int, tiers: KVTiers, chunks: ChunkCache | None):
+    def __init__(self, pool: BlockPool, block_size: int, tiers: KVTiers, chunks: ChunkCache | None,
+                 keys: PrefixKeys):
         self.pool = pool
         self.block_size = block_size
         self.tiers = tiers
         self.chunks = chunks
+        self.keys = keys
         self._waiting: dict[str, _Waiting] = {}
         self._ready: list[tuple[int, torch.Tensor]] = []
         self._loading: set[BlockHash] = set()  # hashes whose loads have not landed
@@ -81,7 +84,7 @@ class TierLoads:
         if waiting is not None:
             return not waiting.done
         slower = self.tiers.cost.slower_tiers()
-        wanted = self._wanted(request, len(hits), slower)
+        wanted = self._wanted(request, hits, slower)
         if not wanted:
             return False
         if any(item.block_hash in self._loading for item in wanted):
@@ -101,30 +104,31 @@ class TierLoads:
         self._loading.update(item.block_hash for item in wanted)
         return True
 
-    def _wanted(self, request: Request, num_hit_blocks: int, slower: frozenset[str]) -> list[_Wanted]:
+    def _wanted(self, request: Request, hits: list[KVBlock], slower: frozenset[str]) -> list[_Wanted]:
         """The blocks to load, from tiers not in ``slower`` (the cost model's decision)."""
         if request.params.prompt_logprobs is not None:
             return []  # prompt logprobs compute every prompt position
         if not request.tier_queried:
             request.tier_queried = True
-            self.tiers.stats.query_tokens += request.num_tokens - num_hit_blocks * self.block_size
-        wanted = self._prefix_wanted(request, num_hit_blocks, slower)
+            self.tiers.stats.query_tokens += request.num_tokens - len(hits) * self.block_size
+        wanted = self._prefix_wanted(request, hits, slower)
         if self.chunks is not None and request.segments:
-            wanted += self._chunks_wanted(request, (num_hit_blocks + len(wanted)) * self.block_size, slower)
+            wanted += self._chunks_wanted(request, (len(hits) + len(wanted)) * self.block_size, slower)
         return wanted
 
-    def _prefix_wanted(self, request: Request, num_hit_blocks: int, slower: frozenset[str]) -> list[_Wanted]:
-        """The prompt's blocks past its prefix hits that a tier holds, up to the first it does not
-        (the last prompt token is always computed, so the block holding it is never loaded)."""
-        wanted = []
-        for index in range(num_hit_blocks, (request.num_tokens - 1) // self.block_size):
-            block_hash = request.block_hashes[index]
-            tier = self.tiers.locate(block_hash)
+    def _prefix_wanted(self, request: Request, hits: list[KVBlock], slower: frozenset[str]) -> list[_Wanted]:
+        """The prompt's blocks past its prefix ``hits`` that a tier holds, up to the first it does
+        not, under the keys of core.prefix_keys (the last prompt token is always computed, so the
+        block holding it is never loaded)."""
+        def find(index: int, key: BlockHash) -> _Wanted | None:
+            tier = self.tiers.locate(key)
             if tier is None or tier in slower:
-                break
+                return None
             start = index * self.block_size
-            wanted.append(_Wanted(_PREFIX, block_hash, tuple(request.token_ids[start:start + self.block_size])))
-        return wanted
+            return _Wanted(_PREFIX, key, tuple(request.token_ids[start:start + self.block_size]))
+
+        blended = bool(hits) and hits[-1].block_hash != request.block_hashes[len(hits) - 1]
+        return self.keys.walk(request, len(hits), (request.num_tokens - 1) // self.block_size, blended, find)
 
     def _chunks_wanted(self, request: Request, first_position: int, slower: frozenset[str]) -> list[_Wanted]:
         """The blocks of the request's reusable chunks past ``first_position`` that are not in the

@@ -78,7 +78,8 @@ class LLMEngine:
         self.shape = side.shape
         self.num_blocks = side.num_blocks
         num_cpu_blocks = side.num_cpu_blocks
-        chunk_reuse = ((args.chunk_recompute_fraction, self.model_name, args.chunk_recompute_window)
+        chunk_reuse = ((args.chunk_recompute_fraction, self.model_name, args.chunk_recompute_window,
+                        args.chunk_recompute_strategy)
                        if args.enable_chunk_reuse else None)
         self.tiers = build_tiers(args, side.weights, loaded.hf_config, self.shape, self.device)
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks,
@@ -449,6 +450,7 @@ class LLMEngine:
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_requests_swapped": len(self.scheduler.swapped),
+            **({} if self.kv.chunks is None else {"blended_prefix_hits": self.kv.chunks.stats.blended_hits}),
             **({} if self.tiers is None else {"kv_tiers": self.tiers.snapshot()}),
             **({} if self.drafter is None else _spec_decode_stats(self.drafter.stats)),
             "max_model_len": self.max_model_len,

@@ -13,11 +13,12 @@ whether the block is *whole* (every token of it computed by the model over the K
 fresh, recomputed or decoded) or holds KV copied from an imported chunk.
 
 A request that takes part in chunk reuse (it came with segments) looks its blocks up along its
-exact chain and, from the first block missing there, along blended keys (never back). Within
-the last ``question_window`` prompt tokens only whole blocks are taken: there chunk reuse would
-recompute what it imports, and a whole block is what that recomputation gives over the same
-tokens. Further back, a block holding copied KV stands for what importing the same chunk (and
-recomputing its share over the same preceding tokens) gives.
+exact chain and, from the first block missing there, along blended keys (never back). A block
+that starts within the last ``question_window`` prompt tokens is taken only whole: there chunk
+reuse would recompute what it imports, and a whole block is what that recomputation gives over
+the same tokens. Further back, a block holding copied KV stands for what importing the same chunk
+(and recomputing its share over the same preceding tokens) gives. (The block across the window's
+start may be a copied one: for the prompt that made it, its copied tokens lie before the window.)
 
 Invariants:
 - Requests without segments, and every request of an engine without chunk reuse, use exact keys
@@ -71,7 +72,7 @@ class PrefixKeys:
             return [exact]
         keys = [] if blended else [exact]
         keys.append(blended_block_key(exact, self.chunks.settings, whole=True))
-        if (index + 1) * self.block_size <= request.num_prompt_tokens - self.chunks.question_window:
+        if index * self.block_size < request.num_prompt_tokens - self.chunks.question_window:
             keys.append(blended_block_key(exact, self.chunks.settings, whole=False))
         return keys
 

@@ -27,13 +27,17 @@ import pytest
 FAST_MODULES = frozenset({
     "test_block_pool", "test_canonical", "test_chat_template_sandbox", "test_chunk_reuse_hostile",
     "test_detokenizer", "test_engine_api", "test_engine_equivalence", "test_explain", "test_fused",
-    "test_kernels", "test_kv_tier_stores", "test_kv_tiers", "test_request_isolation", "test_sampler",
-    "test_sampling_extras", "test_schema_keywords", "test_spec_decode", "test_thread_tuner", "test_tools",
+    "test_kernels", "test_kv_tier_stores", "test_kv_tiers", "test_prefix_keys",
+    "test_request_isolation", "test_sampler", "test_sampling_extras", "test_schema_keywords",
+    "test_spec_decode", "test_thread_tuner", "test_tools",
 })
-# what runs longest on 2 cores (--durations, 2026-12-02), longest first: each is handed to a
-# worker before the rest, so that none of them starts last and runs alone
-LONGEST_GROUPS = ("test_notebook", "integrations", "test_fuzz_server", "test_structured_outputs",
-                  "test_chunk_reuse", "test_server_shutdown", "test_server_structured", "test_kernels")
+# what runs longest on 2 cores (--durations=0 summed per unit, 2026-12-04), longest first: each is
+# handed to a worker before the rest, so that none of them starts last and runs alone, and the
+# last units to be handed out are short ones that even out the two workers' totals
+LONGEST_GROUPS = ("integrations", "test_notebook", "test_fuzz_server", "test_structured_outputs",
+                  "test_chunk_reuse", "test_server_structured", "test_kernels", "test_router", "test_server",
+                  "test_chunk_reuse_hostile", "test_kv_tier_stores", "test_tensor_parallel", "test_client",
+                  "test_server_shutdown", "test_engine_equivalence", "test_server_load", "test_models")
 
 
 def xdist_group_of(item: pytest.Item) -> str:

@@ -19,7 +19,7 @@ from llama_index.core.tools import FunctionTool, QueryEngineTool
 from llama_index.llms.pagedrag import PagedRAG, StructuredQuestionGenerator
 from llama_index.llms.pagedrag.messages import engine_messages
 from pydantic import BaseModel, Field
-from testing_support import ENGINE_KWARGS, rag_documents
+from testing_support import ENGINE_KWARGS, MAX_TOKENS, rag_documents
 
 QUESTION = "What is 2 plus 3?"
 ALBUM_PROMPT = PromptTemplate("Generate an example album inspired by the movie {movie}.")
@@ -261,7 +261,14 @@ def selector_llm() -> PagedRAG:
 
 
 @pytest.fixture(scope="module")
-def query_engine_tools(embed_model, llm) -> list[QueryEngineTool]:
+def answer_llm() -> PagedRAG:
+    """What answers from the query engines' retrieved nodes: a few tokens (the tests below check
+    which engine a question goes to, not the prose); the same engine as ``llm``."""
+    return PagedRAG(engine_kwargs=ENGINE_KWARGS, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def query_engine_tools(embed_model, answer_llm) -> list[QueryEngineTool]:
     """Two small in-memory indexes: the json module's docstrings and the random module's."""
     documents = rag_documents()
 
@@ -269,7 +276,7 @@ def query_engine_tools(embed_model, llm) -> list[QueryEngineTool]:
         index = VectorStoreIndex.from_documents(
             [Document(text=d.text, id_=d.source_id) for d in documents if d.source_id.split(".")[0] == module],
             embed_model=embed_model)
-        return index.as_query_engine(llm=llm, similarity_top_k=2)
+        return index.as_query_engine(llm=answer_llm, similarity_top_k=2)
 
     return [QueryEngineTool.from_defaults(engine("json"), name="json_docs",
                                           description="Python's json module: encoding and decoding JSON."),
@@ -285,9 +292,9 @@ def test_router_query_engine_selects_and_answers(selector_llm, query_engine_tool
     assert 0 <= selection.index < len(query_engine_tools)
 
 
-def test_sub_question_query_engine_answers_through_the_tools(llm, selector_llm, query_engine_tools):
+def test_sub_question_query_engine_answers_through_the_tools(answer_llm, selector_llm, query_engine_tools):
     question_gen = StructuredQuestionGenerator(llm=selector_llm, max_questions=2, max_chars=80)
-    engine = SubQuestionQueryEngine.from_defaults(query_engine_tools=query_engine_tools, llm=llm,
+    engine = SubQuestionQueryEngine.from_defaults(query_engine_tools=query_engine_tools, llm=answer_llm,
                                                   question_gen=question_gen, verbose=False)
     response = engine.query("How do I parse JSON, and how do I seed the random number generator?")
     assert isinstance(response, Response) and response.response

@@ -245,16 +245,20 @@ def test_metrics_and_stats_agree(tiny):
     assert 'pagedrag:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
 
 
-def test_rejected_drafts_cost_the_prefix_cache_nothing(tiny):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_rejected_drafts_cost_the_prefix_cache_nothing(tiny, async_scheduling):
     """A block that held only rejected drafted tokens is reused before any cached block is
     evicted: after a long drafted answer in a tight pool, an earlier prompt finds as much of its
-    prefix cached as it does without speculative decoding."""
+    prefix cached, at as many evictions, as it does without speculative decoding. Asynchronous
+    scheduling (CUDA's default) too: there the answer's last full block, whose last token is read
+    after the step, is cached when the request ends, as a synchronous step caches it."""
     path, _ = tiny
     first = list(range(10, 50))
     long_answer = repeating_prompts()[2][:21]
     cached = {}
     for name, config in (("off", None), *METHODS.items()):
-        llm = make_llm(path, config, block_size=2, num_gpu_blocks_override=60, max_model_len=120)
+        llm = make_llm(path, config, block_size=2, num_gpu_blocks_override=60, max_model_len=120,
+                       async_scheduling=async_scheduling)
         generate(llm, [first], max_tokens=1)
         generate(llm, [long_answer], max_tokens=60, ignore_eos=True)
         cached[name] = (generate(llm, [first], max_tokens=1)[0].num_cached_tokens, llm.stats()["num_evicted_blocks"])

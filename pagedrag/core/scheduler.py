@@ -130,11 +130,15 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request wherever it is and release its blocks at once."""
+        """End a request wherever it is and release its blocks at once. A request that ends
+        normally first caches the full blocks its last tokens completed: after an asynchronous
+        step their ids were read only now, after the step's own caching."""
         request.status = status
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
+        if status is not RequestStatus.FINISHED_ABORTED:
+            self.kv.cache_blocks(request)
         self.kv.free(request)
         if self.drafter is not None:
             self.drafter.finish(request)

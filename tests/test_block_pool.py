@@ -53,6 +53,52 @@ def test_blocks_that_hold_no_cached_hash_are_reused_before_any_cached_block_is_e
     pool.check_invariants()
 
 
+def test_blocks_cached_evict_early_go_after_hashless_and_before_other_cached_blocks():
+    """Chunk reuse's blended blocks are cached ``evict_early``: a free one is evicted before
+    any other cached block however recently it was freed, after every block with no hash; a
+    prefix hit takes it back, and a reset of the prefix cache makes it a hashless block."""
+    pool = BlockPool(5)
+    a, b, c, d, e = pool.allocate(5)
+    pool.cache(a, b"h-a", [1])
+    pool.cache(b, b"h-b", [2], evict_early=True)
+    pool.cache(c, b"h-c", [3], evict_early=True)
+    pool.free([a, b, c, d])  # d holds no hash
+    pool.check_invariants()
+    assert pool.allocate(2) == [d, b] and pool.lookup(b"h-b", [2]) is None
+    assert pool.lookup(b"h-c", [3]) is c and pool.lookup(b"h-a", [1]) is a
+    pool.touch([c])  # a hit on it
+    pool.free([c])
+    pool.reset_prefix_cache()
+    pool.check_invariants()
+    assert pool.allocate(1) == [c] and not c.evict_early and pool.num_free == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["allocate", "cache", "free", "touch", "reset"]),
+                          st.integers(0, 7), st.booleans()), max_size=40))
+def test_random_pool_operations_with_evict_early_keep_invariants(ops):
+    pool = BlockPool(8)
+    held: list = []
+    for name, index, early in ops:
+        if name == "allocate" and pool.num_free:
+            held += pool.allocate(1 + index % pool.num_free)
+        elif name == "cache" and held:
+            block = held[index % len(held)]
+            pool.cache(block, bytes([index, len(held)]), [index], evict_early=early)
+        elif name == "free" and held:
+            pool.free([held.pop(index % len(held))])
+        elif name == "touch":
+            cached = [block for block in pool.blocks if block.block_hash is not None]
+            if cached:
+                block = cached[index % len(cached)]
+                pool.touch([block])
+                held.append(block)
+        elif name == "reset":
+            pool.reset_prefix_cache()
+        pool.check_invariants()
+        assert pool.num_free + len({block.block_id for block in held}) == pool.num_blocks
+
+
 def test_hash_chain_depends_on_salt_and_parent():
     tokens = list(range(8))
     plain, salted, other = [], [], []

@@ -6,7 +6,9 @@ Invariants:
 - A free block that carries a hash stays findable through ``lookup`` until the
   pool hands it out again; free blocks are handed out oldest-freed first (LRU),
   so callers free a request's blocks tail first and the deepest blocks of a
-  hash chain are evicted before their parents.
+  hash chain are evicted before their parents. Blocks with no hash go first, then
+  those cached ``evict_early`` (worth less: chunk reuse's blended blocks, found only
+  by a prompt of the same documents in the same order), then the rest.
 - A cached block's stored token ids are compared on lookup: a hit is confirmed
   before it is used, never taken on the hash alone.
 """
@@ -31,6 +33,7 @@ class KVBlock:
     ref_count: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens its hash covers (for confirmation)
+    evict_early: bool = False  # cached, but evicted before blocks cached without it
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -45,8 +48,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # free blocks in the order allocate takes them: those with no cached hash, then cached
-        # ones from the least recently freed
+        # ones from the least recently freed; the cached ``evict_early`` ones wait apart and are
+        # taken after the first but before the second
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free_early: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
         self.record_newly_cached = False  # set when KV tiers take every newly cached block
@@ -55,11 +60,11 @@ class BlockPool:
     # ---- accounting -------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._free_early)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def usage(self) -> float:
         """Fraction of blocks held by running requests (cached free blocks count as free)."""
@@ -67,26 +72,31 @@ class BlockPool:
 
     # ---- allocation -------------------------------------------------------
     def allocate(self, count: int) -> list[KVBlock]:
-        """Take ``count`` free blocks: first those that hold no cached hash, then cached ones,
-        least recently freed first, evicting their hashes. So a block emptied without being
-        cached (a rejected draft's, a finished request's partial last block) is reused before
-        any cached block is evicted."""
-        if count > len(self._free):
-            raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
+        """Take ``count`` free blocks: first those that hold no cached hash, then cached ones
+        (``evict_early`` ones first), least recently freed first, evicting their hashes. So a
+        block emptied without being cached (a rejected draft's, a finished request's partial
+        last block) is reused before any cached block is evicted."""
+        if count > self.num_free:
+            raise NoFreeBlocksError(f"asked for {count} blocks, {self.num_free} free")
         taken = []
         for _ in range(count):
-            block_id, _ = self._free.popitem(last=False)
-            block = self.blocks[block_id]
+            block = self.blocks[self._next_free().popitem(last=False)[0]]
             self._evict(block)
             block.ref_count = 1
             taken.append(block)
         return taken
 
+    def _next_free(self) -> OrderedDict[int, None]:
+        """The queue whose first block allocate takes next."""
+        if not self._free_early or (self._free and self.blocks[next(iter(self._free))].block_hash is None):
+            return self._free
+        return self._free_early
+
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take one more reference on each block (a prefix hit or a fork)."""
         for block in blocks:
             if block.ref_count == 0:
-                del self._free[block.block_id]
+                del (self._free_early if block.evict_early else self._free)[block.block_id]
             block.ref_count += 1
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
@@ -97,6 +107,9 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} freed while already free")
             block.ref_count -= 1
             if block.ref_count == 0:
+                if block.evict_early:
+                    self._free_early[block.block_id] = None
+                    continue
                 self._free[block.block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block.block_id, last=False)
@@ -110,14 +123,19 @@ class BlockPool:
         return block
 
     def cache(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int],
-              offer_to_tiers: bool = True) -> None:
-        """Make a full, computed block findable by its hash (first writer wins). With
-        ``record_newly_cached``, the block is also kept for ``take_newly_cached`` (unless it
-        came from a tier: ``offer_to_tiers`` False)."""
+              offer_to_tiers: bool = True, evict_early: bool = False) -> None:
+        """Make a full, computed block that a request holds findable by its hash (first writer
+        wins). With ``record_newly_cached``, the block is also kept for ``take_newly_cached``
+        (unless it came from a tier: ``offer_to_tiers`` False). ``evict_early``: once free,
+        it is evicted before every cached block without it."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
             return
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        if evict_early and block.ref_count == 0:  # free already: to the queue it now belongs to
+            del self._free[block.block_id]
+            self._free_early[block.block_id] = None
+        block.evict_early = evict_early
         self._cached[block_hash] = block
         if self.record_newly_cached and offer_to_tiers:
             self._newly_cached.append(block)
@@ -136,9 +154,12 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their data)."""
         for block in self._cached.values():
-            block.block_hash = None
-            block.token_ids = None
+            self._forget(block)
         self._cached.clear()
+        for block_id in self._free_early:  # free and hashless now: taken first
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+        self._free_early.clear()
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
@@ -146,13 +167,20 @@ class BlockPool:
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
             self.num_evictions += 1
+        self._forget(block)
+
+    @staticmethod
+    def _forget(block: KVBlock) -> None:
         block.block_hash = None
         block.token_ids = None
+        block.evict_early = False
 
     def check_invariants(self) -> None:
         """Assert the pool's invariants (used by tests)."""
-        free_ids = set(self._free)
-        assert len(free_ids) == len(self._free)
+        free_ids = set(self._free) | set(self._free_early)
+        assert len(free_ids) == self.num_free
+        assert all(self.blocks[block_id].evict_early for block_id in self._free_early)
+        assert not any(self.blocks[block_id].evict_early for block_id in self._free)
         for block in self.blocks:
             assert block.ref_count >= 0
             assert (block.ref_count == 0) == (block.block_id in free_ids)

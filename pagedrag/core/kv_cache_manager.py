@@ -174,7 +174,8 @@ class KVCacheManager:
         for index in range(self.num_offered.get(request.request_id, 0), num_full):
             start = index * self.block_size
             self.pool.cache(table[index], self.keys.cache_key(request, index),
-                            request.token_ids[start:start + self.block_size])
+                            request.token_ids[start:start + self.block_size],
+                            evict_early=self.keys.is_blended(request, index))
         self.num_offered[request.request_id] = max(num_full, self.num_offered.get(request.request_id, 0))
 
     def release_unused(self, request: Request) -> None:

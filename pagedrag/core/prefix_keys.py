@@ -24,7 +24,9 @@ Invariants:
 - Requests without segments, and every request of an engine without chunk reuse, use exact keys
   only: an exact prefix hit never serves approximate KV.
 - A request's blocks below its ``exact_prefix_len`` are cached under their exact hash, the others
-  under a blended key (whole unless listed in ``Request.copied_blocks``).
+  under a blended key (whole unless listed in ``Request.copied_blocks``), ``evict_early`` in the
+  pool: a blended block serves only prompts of the same documents in the same order, where a
+  chunk's KV or an exact prefix serves any prompt that holds it (the tiers below keep them all).
 """
 
 from __future__ import annotations
@@ -76,10 +78,14 @@ class PrefixKeys:
             keys.append(blended_block_key(exact, self.chunks.settings, whole=False))
         return keys
 
+    def is_blended(self, request: Request, index: int) -> bool:
+        """Whether the request's block ``index`` is cached under a blended key."""
+        return request.exact_prefix_len is not None and (index + 1) * self.block_size > request.exact_prefix_len
+
     def cache_key(self, request: Request, index: int) -> BlockHash:
         """The key the request's full, computed block ``index`` is cached under."""
         exact = request.block_hashes[index]
-        if request.exact_prefix_len is None or (index + 1) * self.block_size <= request.exact_prefix_len:
+        if not self.is_blended(request, index):
             return exact
         return blended_block_key(exact, self.chunks.settings, whole=index not in request.copied_blocks)
 

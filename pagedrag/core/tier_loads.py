@@ -47,6 +47,7 @@ class _Wanted:
     chain: int
     block_hash: BlockHash
     token_ids: tuple[int, ...]
+    blended: bool = False  # a prefix block under a blended key (core.prefix_keys)
 
 
 @dataclass(slots=True)
@@ -125,7 +126,8 @@ class TierLoads:
             if tier is None or tier in slower:
                 return None
             start = index * self.block_size
-            return _Wanted(_PREFIX, key, tuple(request.token_ids[start:start + self.block_size]))
+            return _Wanted(_PREFIX, key, tuple(request.token_ids[start:start + self.block_size]),
+                           blended=key != request.block_hashes[index])
 
         blended = bool(hits) and hits[-1].block_hash != request.block_hashes[len(hits) - 1]
         return self.keys.walk(request, len(hits), (request.num_tokens - 1) // self.block_size, blended, find)
@@ -187,7 +189,8 @@ class TierLoads:
     def _register(self, load: _Load) -> bool:
         """Put the loaded block into the pool's cache; False when another request cached the
         same hash meanwhile (first writer wins), and the loaded copy is not needed."""
-        self.pool.cache(load.block, load.wanted.block_hash, load.wanted.token_ids, offer_to_tiers=False)
+        self.pool.cache(load.block, load.wanted.block_hash, load.wanted.token_ids, offer_to_tiers=False,
+                        evict_early=load.wanted.blended)
         return load.block.block_hash == load.wanted.block_hash
 
     def wait_for_any(self, timeout: float) -> None:

@@ -28,14 +28,6 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` cached rows of one sequence: [length, kv_heads, head_dim]."""
-    block_size = cache.shape[1]
-    num_blocks = (length + block_size - 1) // block_size
-    rows = cache.index_select(0, block_table[:num_blocks].long())
-    return rows.reshape(-1, cache.shape[2], cache.shape[3])[:length]
-
-
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
@@ -95,24 +87,26 @@ def prefix_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     query_start_loc[b]:query_start_loc[b+1]; their K/V are already stored in the
     cache. context_lens[b] is the sequence length after these tokens, so its new
     tokens sit at positions context_lens[b] - q_len .. context_lens[b] - 1.
-    Returns [T, heads, head_dim].
+    Returns [T, heads, head_dim]. The context is read in place where its block ids run
+    consecutively (as in paged_decode_attention): for the few new tokens of a speculative
+    verification step over ~800 cached tokens (SmolLM2's heads, 2-core EPYC) this took a third
+    of the time of gathering the context first.
     """
     out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
-    lengths = context_lens.tolist()
-    for b, total in enumerate(lengths):
+    for b, total in enumerate(context_lens.tolist()):
         q = query[starts[b]:starts[b + 1]]
         q_len = q.shape[0]
         if q_len == 0:
             continue
-        keys = _gather_context(k_cache, block_tables[b], total).to(query.dtype)
-        values = _gather_context(v_cache, block_tables[b], total).to(query.dtype)
-        q_pos = torch.arange(total - q_len, total, device=query.device)
-        mask = torch.arange(total, device=query.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-            attn_mask=mask[None, None], scale=scale, enable_gqa=num_heads != num_kv_heads)
+        runs = _block_runs(block_tables[b, :-(-total // block_size)].tolist(), block_size, total)
+        keys, values = (_context_rows(cache, runs).transpose(0, 1)[None].to(query.dtype) for cache in (k_cache, v_cache))
+        # new token i (at position total - q_len + i) sees positions 0 .. total - q_len + i
+        mask = torch.ones(q_len, total, dtype=torch.bool, device=query.device).tril_(total - q_len)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask[None, None],
+                                           scale=scale, enable_gqa=num_heads != num_kv_heads)
         out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1)
     return out
 

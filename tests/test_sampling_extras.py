@@ -94,7 +94,7 @@ def test_prompt_logprobs_match_hf_and_survive_chunking(tmp_path):
     prompt = [3 + (5 * i) % 200 for i in range(40)]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     expected = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    llm = LLM(str(path), max_model_len=128, block_size=8, max_num_batched_tokens=16)  # 3 prefill chunks
+    llm = LLM(str(path), max_model_len=128, block_size=8, max_num_batched_tokens=16, dtype="float32")  # 3 prefill chunks
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
     for _ in range(2):  # the second run would hit the prefix cache; prompt logprobs bypass it
         out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]

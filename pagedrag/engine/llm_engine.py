@@ -173,7 +173,10 @@ class LLMEngine:
         return output
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        """Whether a step has work: a request queued or running, or tokens still on the device
+        for a request that has not ended (an aborted request's are dropped when read)."""
+        return self.scheduler.has_unfinished() or (
+            self._inflight is not None and not all(request.is_finished for request in self._inflight.requests))
 
     def cached_prefix_len(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
         """How many leading prompt tokens are in the prefix cache now (no side effects)."""

@@ -102,7 +102,8 @@ def prefix_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         if q_len == 0:
             continue
         runs = _block_runs(block_tables[b, :-(-total // block_size)].tolist(), block_size, total)
-        keys, values = (_context_rows(cache, runs).transpose(0, 1)[None].to(query.dtype) for cache in (k_cache, v_cache))
+        keys, values = (_context_rows(cache, runs).transpose(0, 1)[None].to(query.dtype)
+                        for cache in (k_cache, v_cache))
         # new token i (at position total - q_len + i) sees positions 0 .. total - q_len + i
         mask = torch.ones(q_len, total, dtype=torch.bool, device=query.device).tril_(total - q_len)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask[None, None],

@@ -173,10 +173,10 @@ class LLMEngine:
         return output
 
     def has_unfinished_requests(self) -> bool:
-        """Whether a step has work: a request queued or running, or tokens still on the device
-        for a request that has not ended (an aborted request's are dropped when read)."""
-        return self.scheduler.has_unfinished() or (
-            self._inflight is not None and not all(request.is_finished for request in self._inflight.requests))
+        """Whether a step has work: a request queued, running or swapped out. A request whose
+        token is still on the device stays running until the token is read; an aborted one's
+        token is dropped when the next step reads it."""
+        return self.scheduler.has_unfinished()
 
     def cached_prefix_len(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
         """How many leading prompt tokens are in the prefix cache now (no side effects)."""

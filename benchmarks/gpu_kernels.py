@@ -5,7 +5,7 @@
     python benchmarks/gpu_kernels.py --sweep    # also sweeps tile sizes / warps / stages
 
 1. Correctness: each Triton kernel against its torch reference (run in float64) on
-   random problems (kernels/testing.py), larger and more varied than the unit tests.
+   random problems (pagedrag/kernels/testing.py), larger and more varied than the unit tests.
 2. Ceilings: copy bandwidth measured here (one large device-to-device copy, bytes read
    plus written); bf16 matrix rate taken as 780 TFLOP/s (DESIGN.md's measurement).
 3. Timings (triton.testing.do_bench, median, L2 flushed between runs): every figure
@@ -21,41 +21,21 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import itertools
 import random
 import sys
-from pathlib import Path
 
 import torch
+from triton.testing import do_bench
 
-ROOT = Path(__file__).resolve().parents[1]
+from pagedrag.kernels import testing, triton_ops
+from pagedrag.kernels.decode_attention import paged_decode_attention
+from pagedrag.kernels.prefill_attention import prefix_prefill_attention
+
 PEAK_TFLOPS = 780.0
 DEVICE = "cuda"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 LLAMA3_8B = dict(heads=32, kv_heads=8, head_dim=128, block_size=16)  # KV shape of one layer
-
-
-def import_kernels():
-    """pagedrag.kernels, also from a source checkout that was never pip-installed."""
-    sys.path.insert(0, str(ROOT))
-    if importlib.util.find_spec("pagedrag.kernels") is None:
-        import pagedrag
-        spec = importlib.util.spec_from_file_location(
-            "pagedrag.kernels", ROOT / "kernels" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "kernels")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["pagedrag.kernels"] = pagedrag.kernels = module
-        spec.loader.exec_module(module)
-    import pagedrag.kernels
-    return pagedrag.kernels
-
-
-kernels = import_kernels()
-from pagedrag.kernels import testing, triton_ops  # noqa: E402
-from pagedrag.kernels.decode_attention import paged_decode_attention  # noqa: E402
-from pagedrag.kernels.prefill_attention import prefix_prefill_attention  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 
 def bench_ms(fn, rep: int = 200) -> float:

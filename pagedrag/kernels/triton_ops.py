@@ -1,7 +1,7 @@
 """The CUDA implementation of the paged KV ops and the fused elementwise ops (what
 ``ops_for("cuda")`` returns).
 
-Each function has its reference's signature (kernels/reference.py). What callers
+Each function has its reference's signature (reference.py). What callers
 must hand in:
 
 * caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim], K and V of

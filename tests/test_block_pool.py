@@ -219,5 +219,5 @@ def test_update_after_step_caches_full_blocks_and_fails_requests_alone():
     assert failed == [(bad, "poisoned")]
     assert good.num_computed_tokens == bad.num_computed_tokens == 9
     assert [item.request for item in step.completing] == [good, bad]
-    assert kv.cached_prefix_len(good.token_ids, good.block_hashes) == 8
-    assert kv.cached_prefix_len(bad.token_ids, bad.block_hashes) == 0
+    assert kv.cached_prefix(good) == {"pool": 8}
+    assert kv.cached_prefix(bad) == {"pool": 0}

@@ -28,9 +28,9 @@ class FixedEngine:
         self.cached, self.calls = cached, []
         self.args = EngineArgs(block_size=block_size)
 
-    def cached_prefix_len(self, prompt_token_ids, cache_salt=None):
+    def cached_prefix(self, prompt_token_ids, cache_salt=None):
         self.calls.append((list(prompt_token_ids), cache_salt))
-        return min(self.cached, len(prompt_token_ids))
+        return {"pool": min(self.cached, len(prompt_token_ids)) // self.args.block_size * self.args.block_size}
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -124,7 +124,7 @@ def test_against_an_engine(tok):
     stop = len(tok.encode(a[:a.index("2026")])) // 16 * 16
     engine = FixedEngine(stop)
     result = explain_against_engine(a, engine, tok, cache_salt="t1")
-    assert engine.calls == [(ids, "t1")]
+    assert engine.calls == [(ids[:-1], "t1")]  # the last token is always computed
     assert result.cause == "timestamp" and result.block_index == stop // 16 and result.reference_after is None
     assert a[:result.char_offset].endswith(result.before) and a[result.char_offset:].startswith(result.after)
     assert f"prefix cache miss at block {stop // 16}" in str(result) and "cached up to" in str(result)

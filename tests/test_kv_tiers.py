@@ -16,6 +16,7 @@ import torch
 from model_fixtures import make_tiny_model
 from test_engine_equivalence import hf_greedy
 from pagedrag import LLM, SamplingParams
+from pagedrag.rag.explain import explain_against_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 ENGINE = {"max_model_len": 512, "num_gpu_blocks_override": 96, "block_size": 16, "dtype": "float32"}
@@ -48,9 +49,16 @@ def test_restart_on_the_disk_tier_equals_hf_and_the_cold_run(tiny, tmp_path):
     cold.llm_engine.shutdown()
     assert _tokens(first) == expected
     restarted = LLM(str(path), kv_disk_path=tmp_path, **ENGINE)
+    # what probes the cache (cache-aware order, pagedrag explain) sees what a request would load
+    assert restarted.llm_engine.cached_prefix(prompts[0]) == {"pool": 0, "disk": 160}
+    assert restarted.llm_engine.cached_prefix_len(prompts[0], cache_salt="another tenant") == 0
+    explanation = explain_against_engine(prompts[0], restarted.llm_engine, restarted.get_tokenizer())
+    assert explanation.cause == "none" and explanation.tier_tokens == {"disk": 160}
+    assert "160 from the disk tier" in str(explanation)
     second = _run(restarted, prompts)
     assert _tokens(second) == expected
     assert second[0].num_tier_hit_tokens == {"disk": 160} and second[0].num_cached_tokens == 160
+    assert restarted.llm_engine.cached_prefix(prompts[0]) == {"pool": 160}
     stats = restarted.stats()["kv_tiers"]
     assert stats["external_prefix_cache_hits"] >= 160 and stats["bytes"]["disk_to_host"] > 0
     assert stats["tiers"]["disk"]["used_bytes"] > 0
@@ -78,7 +86,7 @@ def test_host_tier_serves_blocks_the_pool_let_go(tiny):
     assert _tokens(_run(llm, prompts[:1])) == expected[:1]
     filler = [[5 + i] * 300 for i in range(2)]  # evicts every cached block of the first prompt
     _run(llm, filler)
-    assert llm.llm_engine.cached_prefix_len(prompts[0]) == 0
+    assert llm.llm_engine.cached_prefix(prompts[0])["pool"] == 0
     again = _run(llm, prompts)
     assert _tokens(again) == expected
     assert again[0].num_tier_hit_tokens.get("host", 0) >= 160

@@ -31,6 +31,10 @@ from pagedrag.core.request import Request
 from pagedrag.core.tier_loads import TierLoads
 from pagedrag.kv_tiers.tiers import KVTiers
 
+POOL = "pool"
+"""``cached_prefix``'s label of the tokens whose blocks are in the pool (the tiers under it go by
+their TIER_NAMES)."""
+
 
 @dataclass
 class PrefixCacheStats:
@@ -80,19 +84,24 @@ class KVCacheManager:
         core.prefix_keys), leaving its last token to compute."""
         if not self.enable_caching or request.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position's hidden state
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        return self.keys.walk(request, 0, max_blocks, False, lambda index, key: self.pool.lookup(
+        return self._pool_walk(request, (request.num_tokens - 1) // self.block_size)
+
+    def _pool_walk(self, request: Request, stop: int) -> list[KVBlock]:
+        """The cached blocks of the request's leading run of full blocks before ``stop``."""
+        return self.keys.walk(request, 0, stop, False, lambda index, key: self.pool.lookup(
             key, request.token_ids[index * self.block_size:(index + 1) * self.block_size]))
 
-    def cached_prefix_len(self, token_ids: list[int], block_hashes: list[bytes]) -> int:
-        """How many leading tokens of token_ids are in cached blocks (no side effects)."""
-        length = 0
-        for index, block_hash in enumerate(block_hashes):
-            start = index * self.block_size
-            if self.pool.lookup(block_hash, token_ids[start:start + self.block_size]) is None:
-                break
-            length = start + self.block_size
-        return length
+    def cached_prefix(self, request: Request) -> dict[str, int]:
+        """Leading tokens of the request's prompt that would not be computed if it came now, by
+        where their blocks are: ``POOL``, then each KV tier past the pool's blocks (those the
+        tiers' cost model would load now; TIER_NAMES order). Every full block counts, the one
+        holding the last token too. Nothing is touched, read, counted or evicted."""
+        stop = request.num_tokens // self.block_size
+        hits = self._pool_walk(request, stop)
+        cached = {POOL: len(hits) * self.block_size}
+        if self.tier_loads is not None:
+            cached.update(self.tier_loads.held_past(request, hits, stop))
+        return cached
 
     def blocks_in_progress(self, requests: list[Request]) -> set[BlockHash]:
         """Hashes of the full prompt blocks these requests have yet to compute (or compute now),

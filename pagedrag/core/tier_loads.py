@@ -47,6 +47,7 @@ class _Wanted:
     chain: int
     block_hash: BlockHash
     token_ids: tuple[int, ...]
+    tier: str  # where the lookup found it
     blended: bool = False  # a prefix block under a blended key (core.prefix_keys)
 
 
@@ -117,20 +118,29 @@ class TierLoads:
             wanted += self._chunks_wanted(request, (len(hits) + len(wanted)) * self.block_size, slower)
         return wanted
 
-    def _prefix_wanted(self, request: Request, hits: list[KVBlock], slower: frozenset[str]) -> list[_Wanted]:
-        """The prompt's blocks past its prefix ``hits`` that a tier holds, up to the first it does
-        not, under the keys of core.prefix_keys (the last prompt token is always computed, so the
-        block holding it is never loaded)."""
+    def _prefix_wanted(self, request: Request, hits: list[KVBlock], slower: frozenset[str],
+                       stop: int | None = None) -> list[_Wanted]:
+        """The prompt's blocks past its prefix ``hits`` and before block ``stop`` that a tier
+        holds, up to the first it does not, under the keys of core.prefix_keys. ``stop`` None:
+        the block holding the last prompt token, which is always computed, so never loaded."""
         def find(index: int, key: BlockHash) -> _Wanted | None:
             tier = self.tiers.locate(key)
             if tier is None or tier in slower:
                 return None
             start = index * self.block_size
-            return _Wanted(_PREFIX, key, tuple(request.token_ids[start:start + self.block_size]),
+            return _Wanted(_PREFIX, key, tuple(request.token_ids[start:start + self.block_size]), tier,
                            blended=key != request.block_hashes[index])
 
         blended = bool(hits) and hits[-1].block_hash != request.block_hashes[len(hits) - 1]
-        return self.keys.walk(request, len(hits), (request.num_tokens - 1) // self.block_size, blended, find)
+        stop = (request.num_tokens - 1) // self.block_size if stop is None else stop
+        return self.keys.walk(request, len(hits), stop, blended, find)
+
+    def held_past(self, request: Request, hits: list[KVBlock], stop: int) -> dict[str, int]:
+        """Tokens by tier of the request's blocks past its pool ``hits`` and before block ``stop``
+        that a lookup now would load (the tiers hold them and the cost model takes them): a
+        probe, so nothing is read or counted."""
+        wanted = self._prefix_wanted(request, hits, self.tiers.cost.slower_tiers(), stop)
+        return tier_hits(*({item.tier: len(item.token_ids)} for item in wanted))
 
     def _chunks_wanted(self, request: Request, first_position: int, slower: frozenset[str]) -> list[_Wanted]:
         """The blocks of the request's reusable chunks past ``first_position`` that are not in the
@@ -143,7 +153,8 @@ class TierLoads:
             blocks = list(self.chunks.blocks_of(request, index))
             tiers = [self.tiers.locate(block_hash) for block_hash, _ in blocks]
             if all(tier is not None and tier not in slower for tier in tiers):
-                wanted += [_Wanted(index, block_hash, token_ids) for block_hash, token_ids in blocks]
+                wanted += [_Wanted(index, block_hash, token_ids, tier)
+                           for (block_hash, token_ids), tier in zip(blocks, tiers)]
         return wanted
 
     # ---- loads that finished ---------------------------------------------------------------

@@ -178,10 +178,17 @@ class LLMEngine:
         token is dropped when the next step reads it."""
         return self.scheduler.has_unfinished()
 
-    def cached_prefix_len(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
-        """How many leading prompt tokens are in the prefix cache now (no side effects)."""
+    def cached_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:
+        """How many leading prompt tokens a request of this prompt under ``cache_salt`` would
+        not compute now, by where their blocks are: ``"pool"``, then each KV tier that holds
+        what follows and would be read (``"host"``, ``"disk"``). No side effects."""
         probe = Request("probe", list(prompt_token_ids), SamplingParams(), self.args.block_size, cache_salt)
-        return self.kv.cached_prefix_len(probe.token_ids, probe.block_hashes)
+        return self.kv.cached_prefix(probe)
+
+    def cached_prefix_len(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading prompt tokens the prefix cache holds now, in the pool or the KV
+        tiers under it (``cached_prefix``'s sum)."""
+        return sum(self.cached_prefix(prompt_token_ids, cache_salt).values())
 
     def reset_prefix_cache(self) -> None:
         self.kv.pool.reset_prefix_cache()

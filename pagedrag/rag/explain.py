@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,9 +51,12 @@ ADVICE = {
 
 
 class ConfiguredEngine(CachedPrefixSource, Protocol):
-    """An engine that says what it caches and how: ``LLMEngine`` (``LLM.llm_engine``)."""
+    """An engine that says what it caches, where and how: ``LLMEngine`` (``LLM.llm_engine``)."""
 
     args: EngineArgs
+
+    def cached_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> dict[str, int]:
+        """The leading tokens it would not compute, by where their blocks are ("pool", a KV tier)."""
 
 
 def default_block_size() -> int:
@@ -69,7 +72,8 @@ class PrefixMissExplanation:
     last prompt token is always computed); ``block_index = token_offset // block_size``;
     ``token_offset`` is None exactly when nothing is missed (cause "none" or "extension").
     ``before`` is A's text just before ``char_offset``, ``after`` A's text from there;
-    ``reference_after`` B's text from there (None against an engine).
+    ``reference_after`` B's text from there (None against an engine). ``tier_tokens``: of the
+    matched tokens, those that KV tiers under an engine's pool hold, by tier (loaded, not computed).
     """
 
     cause: str
@@ -83,6 +87,7 @@ class PrefixMissExplanation:
     before: str = ""
     after: str = ""
     reference_after: str | None = None
+    tier_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def diverged(self) -> bool:
@@ -94,7 +99,7 @@ class PrefixMissExplanation:
 
     def __str__(self) -> str:
         hits = (f"{self.matched_blocks} full block{'s' * (self.matched_blocks != 1)} of {self.block_size} "
-                f"tokens ({self.matched_blocks * self.block_size} tokens) hit")
+                f"tokens ({self.matched_blocks * self.block_size} tokens) hit{_from_tiers(self.tier_tokens)}")
         if not self.diverged:
             return f"no prefix cache miss: {self.advice}; {hits}"
         where = (f"prefix cache miss at block {self.block_index} "
@@ -105,6 +110,12 @@ class PrefixMissExplanation:
             seen = (f"prompt A has {_show(self.before, self.after)} "
                     f"where B has {_show(self.before, self.reference_after)}")
         return f"{where}: {seen} — {self.advice}; {hits}"
+
+
+def _from_tiers(tier_tokens: dict[str, int]) -> str:
+    """" (N tokens of them from the host tier and ...)" for the tiers that hold any."""
+    held = [f"{tokens} from the {tier} tier" for tier, tokens in tier_tokens.items() if tokens]
+    return f" (of those tokens, {' and '.join(held)}: loaded, not computed)" if held else ""
 
 
 def _show(before: str, after: str) -> str:
@@ -211,16 +222,19 @@ def classify(text_a: str, text_b: str, offset: int) -> str:
 # ---- explanations -----------------------------------------------------------------------------
 
 def _explanation(cause: str, block_size: int, num_tokens: int, matched: int, text: str = "",
-                 char: int | None = None, reference_text: str | None = None) -> PrefixMissExplanation:
+                 char: int | None = None, reference_text: str | None = None,
+                 tier_tokens: dict[str, int] | None = None) -> PrefixMissExplanation:
     """The explanation of a prompt of num_tokens whose first ``matched`` tokens hit; a miss
     (``char`` given) at token ``matched``, character ``char`` of ``text``."""
     hits = max(min(matched, num_tokens - 1), 0) // block_size  # the last token is always computed
+    tier_tokens = tier_tokens or {}
     if char is None:
-        return PrefixMissExplanation(cause, block_size, num_tokens, matched, hits)
+        return PrefixMissExplanation(cause, block_size, num_tokens, matched, hits, tier_tokens=tier_tokens)
     return PrefixMissExplanation(
         cause, block_size, num_tokens, matched, hits, token_offset=matched, block_index=matched // block_size,
         char_offset=char, before=text[max(char - _WINDOW, 0):char], after=text[char:char + _WINDOW],
-        reference_after=None if reference_text is None else reference_text[char:char + _WINDOW])
+        reference_after=None if reference_text is None else reference_text[char:char + _WINDOW],
+        tier_tokens=tier_tokens)
 
 
 def explain(prompt: str | list[int], reference: str | list[int], tokenizer: Any,
@@ -247,18 +261,21 @@ def explain_against_engine(prompt: str | list[int], engine: ConfiguredEngine, to
                            cache_salt: str | None = None) -> PrefixMissExplanation:
     """Where ``engine``'s prefix cache stops covering ``prompt``, and what text is there.
 
-    The engine's ``cached_prefix_len`` and block size are all that is asked; with no
-    earlier prompt to compare with, the cause is "timestamp" or "id" when such content
-    sits in the first missed block, else "uncached".
+    The engine's ``cached_prefix`` (of the prompt but its last token, which is always
+    computed) and block size are all that is asked; with no earlier prompt to compare with,
+    the cause is "timestamp" or "id" when such content sits in the first missed block, else
+    "uncached". Blocks a KV tier holds are hits (``tier_tokens``), as a request would load them.
     """
     block_size = engine.args.block_size
     ids, text = _tokens_and_text(prompt, tokenizer)
-    cached = engine.cached_prefix_len(ids, cache_salt)
+    where = engine.cached_prefix(ids[:-1], cache_salt)
+    cached, tiers = sum(where.values()), {tier: tokens for tier, tokens in where.items() if tier != "pool"}
     if cached >= (len(ids) - 1) // block_size * block_size:
-        return _explanation("none", block_size, len(ids), cached)
+        return _explanation("none", block_size, len(ids), cached, tier_tokens=tiers)
     char = len(_decode(tokenizer, ids[:cached]))
     missed_block_end = len(_decode(tokenizer, ids[:cached + block_size]))
-    return _explanation(_missed_block_cause(text, char, missed_block_end), block_size, len(ids), cached, text, char)
+    return _explanation(_missed_block_cause(text, char, missed_block_end), block_size, len(ids), cached, text, char,
+                        tier_tokens=tiers)
 
 
 def _missed_block_cause(text: str, start: int, end: int) -> str:

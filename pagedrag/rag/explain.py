@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from pagedrag.rag.canonical import CachedPrefixSource, detect_volatile
 from pagedrag.config import EngineArgs
+from pagedrag.core.kv_cache_manager import POOL
 from pagedrag.rag.tokenizer import load_tokenizer
 from pagedrag.text_checks import check_utf8
 
@@ -113,7 +114,8 @@ class PrefixMissExplanation:
 
 
 def _from_tiers(tier_tokens: dict[str, int]) -> str:
-    """" (N tokens of them from the host tier and ...)" for the tiers that hold any."""
+    """" (of those tokens, N from the host tier and M from the disk tier: ...)", for the tiers
+    that hold any; "" for none."""
     held = [f"{tokens} from the {tier} tier" for tier, tokens in tier_tokens.items() if tokens]
     return f" (of those tokens, {' and '.join(held)}: loaded, not computed)" if held else ""
 
@@ -269,7 +271,7 @@ def explain_against_engine(prompt: str | list[int], engine: ConfiguredEngine, to
     block_size = engine.args.block_size
     ids, text = _tokens_and_text(prompt, tokenizer)
     where = engine.cached_prefix(ids[:-1], cache_salt)
-    cached, tiers = sum(where.values()), {tier: tokens for tier, tokens in where.items() if tier != "pool"}
+    cached, tiers = sum(where.values()), {tier: tokens for tier, tokens in where.items() if tier != POOL}
     if cached >= (len(ids) - 1) // block_size * block_size:
         return _explanation("none", block_size, len(ids), cached, tier_tokens=tiers)
     char = len(_decode(tokenizer, ids[:cached]))

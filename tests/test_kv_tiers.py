@@ -54,7 +54,7 @@ def test_restart_on_the_disk_tier_equals_hf_and_the_cold_run(tiny, tmp_path):
     assert restarted.llm_engine.cached_prefix_len(prompts[0], cache_salt="another tenant") == 0
     explanation = explain_against_engine(prompts[0], restarted.llm_engine, restarted.get_tokenizer())
     assert explanation.cause == "none" and explanation.tier_tokens == {"disk": 160}
-    assert "160 from the disk tier" in str(explanation)
+    assert "160 in the disk tier" in str(explanation)
     second = _run(restarted, prompts)
     assert _tokens(second) == expected
     assert second[0].num_tier_hit_tokens == {"disk": 160} and second[0].num_cached_tokens == 160

@@ -93,9 +93,10 @@ class KVCacheManager:
 
     def cached_prefix(self, request: Request) -> dict[str, int]:
         """Leading tokens of the request's prompt that would not be computed if it came now, by
-        where their blocks are: ``POOL``, then each KV tier past the pool's blocks (those the
-        tiers' cost model would load now; TIER_NAMES order). Every full block counts, the one
-        holding the last token too. Nothing is touched, read, counted or evicted."""
+        where their blocks are: ``POOL``, then each KV tier holding any past the pool's blocks
+        (those the tiers' cost model would load now; TIER_NAMES order). Every full block counts,
+        the one holding the last token too. Nothing is touched, read, counted or evicted, so a
+        tier's block counts until a request's read finds it damaged (and drops it)."""
         stop = request.num_tokens // self.block_size
         hits = self._pool_walk(request, stop)
         cached = {POOL: len(hits) * self.block_size}

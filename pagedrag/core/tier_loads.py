@@ -36,7 +36,7 @@ from pagedrag.core.block_pool import BlockPool, KVBlock, blocks_for
 from pagedrag.core.chunk_cache import ChunkCache, ChunkPlan
 from pagedrag.core.prefix_keys import PrefixKeys
 from pagedrag.core.request import Request
-from pagedrag.kv_tiers.store import tier_hits
+from pagedrag.kv_tiers.store import TIER_NAMES, tier_hits
 from pagedrag.kv_tiers.tiers import CompletedRead, KVTiers
 
 _PREFIX = -1  # the chain a load belongs to: the prompt's prefix, or a chunk's segment index
@@ -136,11 +136,13 @@ class TierLoads:
         return self.keys.walk(request, len(hits), stop, blended, find)
 
     def held_past(self, request: Request, hits: list[KVBlock], stop: int) -> dict[str, int]:
-        """Tokens by tier of the request's blocks past its pool ``hits`` and before block ``stop``
-        that a lookup now would load (the tiers hold them and the cost model takes them): a
-        probe, so nothing is read or counted."""
+        """Tokens by tier (TIER_NAMES order; tiers holding none left out) of the request's blocks
+        past its pool ``hits`` and before block ``stop`` that a lookup now would load: the tiers
+        hold them and the cost model takes them. A probe: nothing is read or counted, so a block
+        whose file turns out damaged when a request reads it is counted here."""
         wanted = self._prefix_wanted(request, hits, self.tiers.cost.slower_tiers(), stop)
-        return tier_hits(*({item.tier: len(item.token_ids)} for item in wanted))
+        held = tier_hits(dict.fromkeys(TIER_NAMES, 0), *({item.tier: len(item.token_ids)} for item in wanted))
+        return {tier: tokens for tier, tokens in held.items() if tokens}
 
     def _chunks_wanted(self, request: Request, first_position: int, slower: frozenset[str]) -> list[_Wanted]:
         """The blocks of the request's reusable chunks past ``first_position`` that are not in the

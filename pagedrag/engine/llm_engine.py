@@ -110,9 +110,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Finish the KV tiers' writes; stop the tensor-parallel workers, if any (also done when
         the engine is dropped)."""
-        if self.tiers is not None:
-            self.tiers.close()
-        self._stop_ranks()
+        try:
+            if self.tiers is not None:
+                self.tiers.close()
+        finally:
+            self._stop_ranks()
 
     def flush_tiers(self) -> None:
         """Wait until every block computed so far is in the KV tiers (host memory, disk)."""

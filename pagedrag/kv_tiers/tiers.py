@@ -221,8 +221,9 @@ class KVTiers:
         return self._writer.submit(lambda: None)
 
     def close(self) -> None:
+        """Finish every write handed over (the writer's shutdown runs its queue to the end; a
+        new task could not be queued once the interpreter is exiting) and stop the threads."""
         try:
-            self.written().result()
             self._readers.shutdown(wait=True)
             self._writer.shutdown(wait=True)
         finally:

@@ -74,7 +74,8 @@ class PrefixMissExplanation:
     ``token_offset`` is None exactly when nothing is missed (cause "none" or "extension").
     ``before`` is A's text just before ``char_offset``, ``after`` A's text from there;
     ``reference_after`` B's text from there (None against an engine). ``tier_tokens``: of the
-    matched tokens, those that KV tiers under an engine's pool hold, by tier (loaded, not computed).
+    matched tokens, those that KV tiers under an engine's pool hold, by tier (a request loads them
+    rather than computing them, unless reading one fails: the probe reads nothing).
     """
 
     cause: str
@@ -114,10 +115,10 @@ class PrefixMissExplanation:
 
 
 def _from_tiers(tier_tokens: dict[str, int]) -> str:
-    """" (of those tokens, N from the host tier and M from the disk tier: ...)", for the tiers
-    that hold any; "" for none."""
-    held = [f"{tokens} from the {tier} tier" for tier, tokens in tier_tokens.items() if tokens]
-    return f" (of those tokens, {' and '.join(held)}: loaded, not computed)" if held else ""
+    """" (of those tokens, N in the host tier and M in the disk tier: ...)", for the tiers that
+    hold any; "" for none."""
+    held = [f"{tokens} in the {tier} tier" for tier, tokens in tier_tokens.items() if tokens]
+    return f" (of those tokens, {' and '.join(held)}: a request loads them, unless a read fails)" if held else ""
 
 
 def _show(before: str, after: str) -> str:

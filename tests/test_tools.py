@@ -149,6 +149,16 @@ def test_required_grammar_takes_parallel_calls_only_when_allowed(compiler, requi
     assert [c.name for c in calls] == ["get_weather", "web_search"]
 
 
+def test_auto_without_parallel_calls_keeps_the_first_call_the_model_wrote():
+    """parallel_tool_calls=false with "auto": the grammar does not bind the model, so the
+    calls it wrote past the first are dropped (vLLM's behaviour; OpenAI promises at most one)."""
+    two = "".join(f'<tool_call>\n{{"name": "{name}", "arguments": {{}}}}\n</tool_call>\n' for name in ("a", "b"))
+    tools = [{"type": "function", "function": {"name": name}} for name in ("a", "b")]
+    for parallel, expected in ((True, ["a", "b"]), (False, ["a"])):
+        _, calls = plan_tools(tools, "auto", parallel_tool_calls=parallel).parse(two, PARSERS["hermes"])
+        assert [call.name for call in calls] == expected
+
+
 def test_required_calls_are_written_name_first(required_plan):
     order = json.loads(required_plan.structured_outputs().json)["items"]["anyOf"][0]["properties"]
     assert list(order) == ["name", "arguments"]

@@ -87,6 +87,15 @@ class StrictRequest(BaseModel):
 # ---- requests -------------------------------------------------------------------
 class StreamOptions(StrictRequest):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's usage on every chunk: not served, refused when true
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _only_final_usage(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("'stream_options.continuous_usage_stats' is not supported by this server: "
+                             "usage comes once, in the last chunk (include_usage)")
+        return value
 
 
 class SamplingRequest(StrictRequest):
@@ -277,6 +286,18 @@ class ChatMessage(StrictRequest):
     tool_call_id: str | None = None  # a tool result's call
     name: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_legacy_fields(cls, data: Any) -> Any:
+        """A message's deprecated ``function_call`` and an assistant's ``audio`` reference would be
+        dropped from the conversation the model sees: refused, as the request's own are."""
+        if isinstance(data, dict):
+            for name in ("function_call", "audio"):
+                if data.get(name) is not None:
+                    raise ValueError(f"a message's '{name}' is not supported by this server"
+                                     + (": send 'tool_calls'" if name == "function_call" else ""))
+        return data
+
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> "ChatMessage":
         """Only an assistant message may come without content (OpenAI: one that made tool calls)."""
@@ -287,8 +308,9 @@ class ChatMessage(StrictRequest):
 
 class ChatCompletionRequest(SamplingRequest):
     PREFIX: ClassVar[str] = "chatcmpl"
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **SamplingRequest.UNSUPPORTED, "functions": ([],), "function_call": ("none",)}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {  # OpenAI's audio output and web search: not served
+        **SamplingRequest.UNSUPPORTED, "functions": ([],), "function_call": ("none",), "modalities": (["text"],),
+        "audio": (), "web_search_options": ()}
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None

@@ -110,7 +110,8 @@ class ToolPlan:
     given): of type "object", or whose root ``$ref``, ``anyOf``, ``oneOf``, ``allOf``,
     ``enum`` or ``const`` allows only objects. ``choice`` is "none", "auto", "required"
     or "named"; ``named`` is the declared function a "named" choice forces, else None.
-    ``parallel`` lets "required" make more than one call.
+    ``parallel`` False: at most one call ("required": by the grammar; "auto": the first of
+    the calls the model wrote, as vLLM trims them).
     """
 
     tools: tuple[dict, ...]
@@ -144,7 +145,8 @@ class ToolPlan:
         """The output as (content, calls). Never raises: output a forced choice cannot read
         (cut short by max_tokens, say) comes back as content with no calls."""
         if self.choice == "auto":
-            return parser.parse(text)
+            content, calls = parser.parse(text)
+            return content, calls if self.parallel else calls[:1]
         if self.choice == "none":
             return text, []
         calls = self._forced_calls(text)

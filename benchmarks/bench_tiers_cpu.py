@@ -83,7 +83,7 @@ def cache_aware_prompts(llm, probes: str):
 
     engine = llm.llm_engine
     if probes == "pool":
-        engine.cached_prefix_len = lambda token_ids, cache_salt=None: engine.cached_prefix(token_ids, cache_salt)["pool"]
+        engine.cached_prefix_len = lambda ids, cache_salt=None: engine.cached_prefix(ids, cache_salt)["pool"]
     canonicalizer = PromptCanonicalizer(SYSTEM_PROMPT, order="cache_aware", tokenizer=llm.get_tokenizer(),
                                         engine=engine)
     return lambda item: canonicalizer.build(item[0], [tuple(chunk) for chunk in item[1]]).segments
@@ -100,7 +100,8 @@ def save_stream(path: Path, questions: int, texts: Path, corpus: str = "pydoc", 
 
     canonicalizer = PromptCanonicalizer(SYSTEM_PROMPT, tokenizer=load_tokenizer(None),
                                         chunk_template=REUSABLE_CHUNK_TEMPLATE)
-    stream = [(question, [(c.source_id, c.text) for c in chunks]) for question, chunks in rag_stream(seed, corpus=corpus)[:questions]]
+    stream = [(question, [(c.source_id, c.text) for c in chunks])
+              for question, chunks in rag_stream(seed, corpus=corpus)[:questions]]
     path.write_text(json.dumps([canonicalizer.build(question, chunks).segments for question, chunks in stream]))
     halves = texts.with_suffix(".a.json"), texts.with_suffix(".b.json")
     for half, part in zip(halves, (stream[:len(stream) // 2], stream[len(stream) // 2:])):

@@ -235,6 +235,14 @@ HOSTILE_CASES = (
     HostileCase("speculative_decoding=string", COMPLETIONS, _hello(speculative_decoding="no"), BAD),
     HostileCase("cache_salt=lone_surrogate", COMPLETIONS,
                 {"prompt": "Hello", "max_tokens": 40, "ignore_eos": True, "cache_salt": "\ud800"}, CLEAN),
+    # what today's openai SDK can send that this server cannot honour: refused by name, not dropped
+    HostileCase("modalities=audio", CHAT, _chat(modalities=["text", "audio"], audio={"voice": "alloy"}), BAD),
+    HostileCase("web_search_options", CHAT, _chat(web_search_options={}), BAD),
+    HostileCase("continuous_usage_stats", CHAT,
+                _chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}), BAD),
+    HostileCase("message_function_call", CHAT, {"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]}, BAD),
     HostileCase("chat_template=3M_string", CHAT, _template(HUGE_TEMPLATE), BAD),
     HostileCase("chat_template=nested_loop", CHAT, _template(NESTED_LOOP_TEMPLATE), BAD),
     HostileCase("chat_message=4MB", CHAT, lambda: _chat("hello " * 666_666), BAD, max_seconds=QUICK_S),

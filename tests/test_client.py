@@ -350,7 +350,9 @@ def test_exit_with_a_request_in_flight_is_clean(tiers, tmp_path):
     import subprocess
     import sys
 
-    engine_kwargs = {"max_model_len": 512, "num_gpu_blocks_override": 64, **({"kv_disk_path": str(tmp_path)} if tiers else {})}
+    engine_kwargs = {"max_model_len": 512, "num_gpu_blocks_override": 64}
+    if tiers:
+        engine_kwargs["kv_disk_path"] = str(tmp_path)
     script = _EXIT_IN_FLIGHT.replace("{engine_kwargs!r}", repr(engine_kwargs))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert "exiting while the engine generates" in done.stdout

@@ -113,16 +113,16 @@ class TierLoads:
         if not request.tier_queried:
             request.tier_queried = True
             self.tiers.stats.query_tokens += request.num_tokens - len(hits) * self.block_size
-        wanted = self._prefix_wanted(request, hits, slower)
+        wanted = self._prefix_wanted(request, hits, slower, (request.num_tokens - 1) // self.block_size)
         if self.chunks is not None and request.segments:
             wanted += self._chunks_wanted(request, (len(hits) + len(wanted)) * self.block_size, slower)
         return wanted
 
     def _prefix_wanted(self, request: Request, hits: list[KVBlock], slower: frozenset[str],
-                       stop: int | None = None) -> list[_Wanted]:
+                       stop: int) -> list[_Wanted]:
         """The prompt's blocks past its prefix ``hits`` and before block ``stop`` that a tier
-        holds, up to the first it does not, under the keys of core.prefix_keys. ``stop`` None:
-        the block holding the last prompt token, which is always computed, so never loaded."""
+        holds, up to the first it does not, under the keys of core.prefix_keys. A load stops
+        before the block holding the last prompt token: that token is always computed."""
         def find(index: int, key: BlockHash) -> _Wanted | None:
             tier = self.tiers.locate(key)
             if tier is None or tier in slower:
@@ -132,7 +132,6 @@ class TierLoads:
                            blended=key != request.block_hashes[index])
 
         blended = bool(hits) and hits[-1].block_hash != request.block_hashes[len(hits) - 1]
-        stop = (request.num_tokens - 1) // self.block_size if stop is None else stop
         return self.keys.walk(request, len(hits), stop, blended, find)
 
     def held_past(self, request: Request, hits: list[KVBlock], stop: int) -> dict[str, int]:

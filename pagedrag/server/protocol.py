@@ -279,6 +279,9 @@ class TextPart(StrictRequest):
     text: str
 
 
+_REFUSED_MESSAGE_FIELDS = {"function_call": ": send 'tool_calls'", "audio": ""}  # name -> what to send instead
+
+
 class ChatMessage(StrictRequest):
     role: Literal[ROLES]
     content: str | list[TextPart] | None = None
@@ -292,10 +295,9 @@ class ChatMessage(StrictRequest):
         """A message's deprecated ``function_call`` and an assistant's ``audio`` reference would be
         dropped from the conversation the model sees: refused, as the request's own are."""
         if isinstance(data, dict):
-            for name in ("function_call", "audio"):
+            for name, instead in _REFUSED_MESSAGE_FIELDS.items():
                 if data.get(name) is not None:
-                    raise ValueError(f"a message's '{name}' is not supported by this server"
-                                     + (": send 'tool_calls'" if name == "function_call" else ""))
+                    raise ValueError(f"a message's '{name}' is not supported by this server{instead}")
         return data
 
     @model_validator(mode="after")

@@ -21,6 +21,14 @@ GREEDY_TEMPERATURE = 1e-5  # below: greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # below, and above GREEDY_TEMPERATURE: raised to this (vLLM's _MAX_TEMP)
 
 
+class ParameterError(ValueError):
+    """A sampling parameter out of its range; ``param`` names it (an OpenAI error's param)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request.
@@ -107,42 +115,50 @@ class SamplingParams:
 
     def _validate(self) -> None:
         checks = [
-            (self.n >= 1, f"n must be at least 1, got {self.n}"),
-            (self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1 (disabled) or at least 1, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (0 < self.repetition_penalty <= 2, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
+            ("temperature", self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}"),
+            ("top_p", 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= 0, f"top_k must be -1 (disabled) or at least 1, got {self.top_k}"),
+            ("min_p", 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 2,
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
+             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            ("min_tokens", self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
-            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1),
+            ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1),
              f"seed must be in [{SEED_MIN}, {SEED_MAX}] for every one of the n={self.n} completions "
              f"(completion i uses seed + i), got {self.seed}"),
-            (all(self.stop), "stop strings must not be empty"),
-            (len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"),
-            (all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            ("stop", all(self.stop), "stop strings must not be empty"),
+            ("stop", len(self.stop) <= MAX_STOP_STRINGS,
+             f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"),
+            ("stop", all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
              f"a stop string may hold at most {MAX_STOP_STRING_CHARS} characters"),
-            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
              f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}"),
-            (all(-100 <= v <= 100 for v in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
-            (len(self.logit_bias) <= MAX_TOKEN_LIST, f"at most {MAX_TOKEN_LIST} logit_bias entries"),
-            (len(self.allowed_token_ids) <= MAX_TOKEN_LIST, f"at most {MAX_TOKEN_LIST} allowed_token_ids"),
-            (len(self.bad_words) <= MAX_STOP_STRINGS and all(len(w) <= MAX_STOP_STRING_CHARS for w in self.bad_words),
+            ("logit_bias", all(-100 <= v <= 100 for v in self.logit_bias.values()),
+             "logit_bias values must be in [-100, 100]"),
+            ("logit_bias", len(self.logit_bias) <= MAX_TOKEN_LIST, f"at most {MAX_TOKEN_LIST} logit_bias entries"),
+            ("allowed_token_ids", len(self.allowed_token_ids) <= MAX_TOKEN_LIST,
+             f"at most {MAX_TOKEN_LIST} allowed_token_ids"),
+            ("bad_words", len(self.bad_words) <= MAX_STOP_STRINGS
+             and all(len(w) <= MAX_STOP_STRING_CHARS for w in self.bad_words),
              f"at most {MAX_STOP_STRINGS} bad_words of at most {MAX_STOP_STRING_CHARS} characters"),
-            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
              f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}"),
         ]
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise ParameterError(param, message)
 
     def _settle_temperature(self) -> None:
         """Below GREEDY_TEMPERATURE sampling is greedy (a division by ~1e-40 would overflow

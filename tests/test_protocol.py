@@ -21,6 +21,7 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
     ({"messages": [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]},
      "function_call"),
     ({"messages": [{"role": "assistant", "content": None, "audio": {"id": "audio_1"}}]}, "audio"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream, as OpenAI and vLLM
 ])
 def test_what_would_change_the_answer_is_refused_by_name(fields, named):
     with pytest.raises(ValidationError, match=named):

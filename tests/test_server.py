@@ -269,10 +269,12 @@ def _assert_error(response: httpx.Response, status: int) -> dict:
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "word " * 600}, "prompt"),  # over max_model_len
-    ({"prompt": "x", "temperature": -1}, None),
-    ({"prompt": "x", "top_p": 0}, None),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "n": "many"}, "n"),  # a pydantic validation error (FastAPI's 422)
-    ({"prompt": "x", "max_tokens": 0}, None),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, None),  # without stream, as OpenAI
     ({"prompt": "x", "echo": True}, None),
     ({"prompt": []}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
@@ -292,6 +294,19 @@ def test_bad_completion_is_400(server, body, param):
 ])
 def test_bad_chat_is_400(server, body):
     _assert_error(_post(server.base_url, "/v1/chat/completions", body), 400)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 5000}, "max_completion_tokens"),  # past max_model_len
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"temperature": -0.5}, "temperature"),
+])
+def test_a_chat_error_names_the_field_the_client_sent(server, fields, param):
+    body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+    error = _assert_error(_post(server.base_url, "/v1/chat/completions", body), 400)
+    assert error["param"] == param and param in error["message"]
 
 
 def test_malformed_json_is_400(server):

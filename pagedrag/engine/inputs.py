@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pagedrag.core.request import PromptSegment
 from pagedrag.engine import literal_text
 from pagedrag.engine.segments import TextCuts, chat_segments, text_segments, token_segments
-from pagedrag.sampling_params import SamplingParams
+from pagedrag.sampling_params import ParameterError, SamplingParams
 from pagedrag.structured.compiler import GrammarCompiler
 from pagedrag.tools import PARSERS, ToolPlan, parser_for, plan_tools, prepare_conversation, template_supports_tools
 from pagedrag.text_checks import check_int, check_utf8
@@ -260,7 +260,7 @@ class InputProcessor:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
                 "it must be shorter to leave room for at least one generated token")
-        self._check_in_vocab("prompt token ids", token_ids)
+        self._check_in_vocab("prompt", "prompt token ids", token_ids)
 
     def _check_salt(self, salt: object) -> None:
         if salt is None:
@@ -271,10 +271,11 @@ class InputProcessor:
         if len(salt) > MAX_CACHE_SALT_CHARS:
             raise ValueError(f"cache_salt may hold at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
 
-    def _check_in_vocab(self, what: str, token_ids: list[int]) -> None:
+    def _check_in_vocab(self, param: str, what: str, token_ids: list[int]) -> None:
+        """ParameterError naming ``param`` unless every id is in the vocabulary."""
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise ParameterError(param, f"{what} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
     # ---- chats -------------------------------------------------------------------
     def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True,
@@ -351,14 +352,15 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.n > self.max_num_seqs:
-            raise ValueError(f"n={params.n} completions need more sequences than max_num_seqs="
-                             f"{self.max_num_seqs} lets run at once")
-        self._check_in_vocab("stop_token_ids", params.stop_token_ids)
-        self._check_in_vocab("logit_bias token ids", list(params.logit_bias))
-        self._check_in_vocab("allowed_token_ids", params.allowed_token_ids)
+            raise ParameterError("n", f"n={params.n} completions need more sequences than max_num_seqs="
+                                      f"{self.max_num_seqs} lets run at once")
+        self._check_in_vocab("stop_token_ids", "stop_token_ids", params.stop_token_ids)
+        self._check_in_vocab("logit_bias", "logit_bias token ids", list(params.logit_bias))
+        self._check_in_vocab("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids)
         if (params.stop or params.bad_words) and self.tokenizer is None:
-            raise ValueError("stop strings and bad_words need a tokenizer, and this model has none; "
-                             "use stop_token_ids / logit_bias")
+            raise ParameterError("stop" if params.stop else "bad_words",
+                                 "stop strings and bad_words need a tokenizer, and this model has none; "
+                                 "use stop_token_ids / logit_bias")
 
     def compile_constraint(self, params: SamplingParams) -> None:
         """Compile the output constraint (ValueError if it cannot be), so that the engine

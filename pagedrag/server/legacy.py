@@ -42,7 +42,7 @@ async def generate(body: GenerateRequest, http_request: Request):
     envelope, params = serving.check(request)
     prompts = await unless_disconnected(
         http_request, serving.completion_prompts(request, serving.cache_salt(http_request, request)))
-    run = await serving.start(http_request, params, prompts, envelope)
+    run = await serving.start(http_request, params, prompts, envelope, request.max_tokens_field)
     texts = [body.prompt] * params.n
     if body.stream:
         return StreamingResponse(_updates(run, texts), media_type="application/octet-stream")
@@ -52,7 +52,7 @@ async def generate(body: GenerateRequest, http_request: Request):
 
 
 def _as_completion(body: GenerateRequest) -> CompletionRequest:
-    fields = {**(body.model_extra or {}), "prompt": body.prompt}
+    fields = {**(body.model_extra or {}), "prompt": body.prompt, "stream": body.stream}
     if fields.pop("use_beam_search", False):
         raise APIError(400, "use_beam_search is not supported by /generate; use LLM.beam_search offline",
                        param="use_beam_search")

@@ -161,6 +161,13 @@ class SamplingRequest(StrictRequest):
     def _null_means_default(cls, value: Any, info) -> Any:
         return cls.model_fields[info.field_name].default if value is None else value
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "SamplingRequest":
+        """As OpenAI and vLLM: stream_options without streaming is a mistake, not a no-op."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -169,6 +176,15 @@ class SamplingRequest(StrictRequest):
     def prompt_field(self) -> str:
         """The field that carries the prompt, named by errors about it."""
         raise NotImplementedError
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field that carries the generation limit, named by errors about it."""
+        return "max_tokens"
+
+    def field_named(self, param: str | None) -> str | None:
+        """This request's own field for the engine parameter an error names (its ``param``)."""
+        return {"prompt": self.prompt_field, "max_tokens": self.max_tokens_field}.get(param, param)
 
     def max_new_tokens(self) -> int | None:
         """The generation limit; None: until EOS, a stop, or max_model_len."""
@@ -359,6 +375,13 @@ class ChatCompletionRequest(SamplingRequest):
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def field_named(self, param: str | None) -> str | None:
+        return "top_logprobs" if param == "logprobs" else super().field_named(param)
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

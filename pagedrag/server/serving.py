@@ -241,7 +241,7 @@ class Serving:
             params = request.sampling_params()
             self.engine.check_params(params)
         except (ValueError, TypeError) as error:
-            raise APIError(400, str(error)) from error
+            raise _parameter_error(request, error) from error
         try:
             num_prompts = request.num_prompts()
         except ValueError as error:
@@ -250,11 +250,12 @@ class Serving:
         return Envelope.new(request.PREFIX, model), params
 
     async def start(self, http_request: Request, params: SamplingParams, prompts: list[ProcessedPrompt],
-                    envelope: Envelope) -> Run:
+                    envelope: Envelope, max_tokens_field: str) -> Run:
         """Queue the checked prompts (together: one engine batch) and wait for the first output
-        (400 if a prompt leaves no room for max_tokens; ClientDisconnected if the client leaves first)."""
+        (400 if a prompt leaves no room for max_tokens, named as the request's ``max_tokens_field``;
+        ClientDisconnected if the client leaves first)."""
         for prompt in prompts:
-            self._check_room(len(prompt.token_ids), params.max_tokens)
+            self._check_room(len(prompt.token_ids), params.max_tokens, max_tokens_field)
         if params.structured_outputs is not None:
             await unless_disconnected(http_request, self._compile_constraint(params))
         streams = self.engine.generate_batch([(prompt, params) for prompt in prompts],
@@ -271,13 +272,13 @@ class Serving:
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="structured_outputs") from error
 
-    def _check_room(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """As vLLM's server: the prompt plus max_tokens must fit max_model_len."""
+    def _check_room(self, num_prompt_tokens: int, max_tokens: int | None, field: str) -> None:
+        """As vLLM's server: the prompt plus max_tokens (the request's ``field``) must fit max_model_len."""
         if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
                                 f"However, you requested {num_prompt_tokens + max_tokens} tokens "
                                 f"({num_prompt_tokens} in the prompt, {max_tokens} for the completion). "
-                                "Please reduce the length of the prompt or max_tokens.", param="max_tokens")
+                                f"Please reduce the length of the prompt or {field}.", param=field)
 
     def _admit(self, num_sequences: int) -> None:
         """Each of a request's n completions of each prompt counts as one sequence."""
@@ -287,6 +288,14 @@ class Serving:
         if limit is not None and self.engine.num_in_flight + num_sequences > limit:
             raise APIError(503, f"the server is at its limit of {limit} sequences in flight "
                                 "(--max-queue); retry later", code="queue_full")
+
+
+def _parameter_error(request: SamplingRequest, error: ValueError | TypeError) -> APIError:
+    """The 400 for a bad sampling parameter, naming the field the client sent (a chat's
+    max_completion_tokens, not the engine's max_tokens) in its param and its message."""
+    param = getattr(error, "param", None)
+    field = request.field_named(param)
+    return APIError(400, str(error) if field == param else f"{field}: {error}", param=field)
 
 
 def _special_tokens(tokenizer) -> dict[str, str]:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
+import secrets
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from pagedrag.models.lowbit.methods import check_quantization
 from pagedrag.spec_decode.config import SpeculativeConfig, loads as speculative_json
+from pagedrag.text_checks import check_bool, check_float, check_int
 
 # On CPU there is no "device memory": unless kv_cache_memory_bytes is given, the
 # pool takes this share of the memory the OS reports available at start.
@@ -28,9 +28,38 @@ def _arg(default, help_text: str):
     return field(default=default, metadata={"help": help_text})
 
 
-def _is_real(value: object) -> bool:
-    """A real number (numpy scalars included), not a bool (True is not a fraction) nor a string."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _check_text(name: str, value: object) -> str:
+    """A string; a path (pathlib.Path, os.PathLike) becomes its string."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a string, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_mapping(name: str, value: object) -> dict:
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict, got {type(value).__name__} {value!r}")
+    return value
+
+
+_TYPE_CHECKS = {"bool": check_bool, "int": check_int, "float": check_float, "str": _check_text,
+                "dict": _check_mapping}
+
+
+def _typed(name: str, annotation: str, value: object) -> object:
+    """``value`` checked against its field's annotation ("int", "float | None", ...): a
+    ValueError naming the field for any other type (as every configuration error, and as
+    pydantic's ValidationError, vLLM's), so that a string "false" is never taken for True nor
+    "128" compared with a number; numbers become the field's type (a numpy int an int), paths
+    strings."""
+    kinds = annotation.replace(" ", "").split("|")
+    if value is None and "None" in kinds:
+        return None
+    try:
+        return _TYPE_CHECKS[kinds[0]](name, value)
+    except TypeError as error:
+        raise ValueError(str(error)) from None
 
 
 @dataclass
@@ -55,7 +84,8 @@ class EngineArgs:
     dtype: str = _arg("auto", "weights and KV cache dtype: auto (bfloat16 on CUDA, float32 on CPU), "
                               "float32, bfloat16 or float16")
     device: str = _arg("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N")
-    seed: int = _arg(0, "seed of the engine's random state (requests without a seed of their own)")
+    seed: int | None = _arg(0, "seed of the engine's random state (requests without a seed of their own); "
+                               "None: a random one")
     load_format: str = _arg("auto", "auto (the checkpoint's weights) or dummy (random weights, for benchmarks)")
     quantization: str | None = _arg(None, "low-bit weights on CPU: gguf (a GGUF file's own 4-bit blocks, e.g. "
                                           "the embedded model's), int4 or int8 (weight-only, quantized at "
@@ -113,12 +143,12 @@ class EngineArgs:
                                                  "suffix_decoding_*, disable_by_batch_size; default: off")
 
     def __post_init__(self) -> None:
-        if self.model is not None:
-            self.model = os.fspath(self.model)
-        if isinstance(self.kv_disk_path, os.PathLike):
-            self.kv_disk_path = os.fspath(self.kv_disk_path)
         if isinstance(self.speculative_config, str):  # the JSON text of --speculative-config
             self.speculative_config = speculative_json(self.speculative_config)
+        for arg in fields(self):
+            setattr(self, arg.name, _typed(arg.name, arg.type, getattr(self, arg.name)))
+        if self.seed is None:  # as vLLM: no seed, a random one (kept here, so every rank shares it)
+            self.seed = secrets.randbits(63)
         self._validate()
 
     def _validate(self) -> None:
@@ -134,28 +164,24 @@ class EngineArgs:
              f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"),
             (self.preemption_mode in PREEMPTION_MODES,
              f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"),
-            (isinstance(self.enable_chunk_reuse, bool),
-             f"enable_chunk_reuse must be True or False, got {self.enable_chunk_reuse!r}"),
-            (_is_real(self.chunk_recompute_fraction) and 0 <= self.chunk_recompute_fraction <= 1,
+            (0 <= self.chunk_recompute_fraction <= 1,
              f"chunk_recompute_fraction must be a number in [0, 1], got {self.chunk_recompute_fraction!r}"),
             (self.chunk_recompute_strategy in ("deviation", "first"),
              f"chunk_recompute_strategy must be deviation or first, got {self.chunk_recompute_strategy!r}"),
-            (isinstance(self.chunk_recompute_window, int) and not isinstance(self.chunk_recompute_window, bool)
-             and self.chunk_recompute_window >= 0,
+            (self.chunk_recompute_window >= 0,
              f"chunk_recompute_window must be a whole number of tokens >= 0, got {self.chunk_recompute_window!r}"),
             (self.enable_prefix_caching or not self.enable_chunk_reuse,
              "enable_chunk_reuse needs enable_prefix_caching: reused chunks live in the prefix cache's pool"),
             (self.swap_space >= 0, f"swap_space must be non-negative GiB, got {self.swap_space}"),
-            (_is_real(self.kv_offloading_size) and 0 <= self.kv_offloading_size < math.inf,
+            (self.kv_offloading_size >= 0,
              f"kv_offloading_size must be a finite, non-negative number of GiB, got {self.kv_offloading_size!r}"),
-            (self.kv_disk_size is None or _is_real(self.kv_disk_size) and 0 < self.kv_disk_size < math.inf,
+            (self.kv_disk_size is None or self.kv_disk_size > 0,
              f"kv_disk_size must be a finite, positive number of GiB, got {self.kv_disk_size!r}"),
-            (self.kv_disk_path is None or isinstance(self.kv_disk_path, str) and self.kv_disk_path.strip() != "",
+            (self.kv_disk_path is None or self.kv_disk_path.strip() != "",
              f"kv_disk_path must be a directory path, got {self.kv_disk_path!r}"),
             (self.kv_disk_size is None or self.kv_disk_path is not None,
              f"kv_disk_size={self.kv_disk_size!r} is given without kv_disk_path: the disk tier needs a directory"),
-            (not isinstance(self.kv_disk_path, str) or not os.path.exists(self.kv_disk_path)
-             or os.path.isdir(self.kv_disk_path),
+            (self.kv_disk_path is None or not os.path.exists(self.kv_disk_path) or os.path.isdir(self.kv_disk_path),
              f"kv_disk_path {self.kv_disk_path!r} exists and is not a directory"),
             (self.enable_prefix_caching or not self.uses_kv_tiers,
              "kv_offloading_size / kv_disk_path need enable_prefix_caching: the tiers hold prefix-cache blocks"),
@@ -168,7 +194,7 @@ class EngineArgs:
              f"device must be auto, cpu or cuda[:N], got {self.device!r}"),
             (self.load_format in ("auto", "dummy"),
              f"load_format must be auto or dummy, got {self.load_format!r}"),
-            (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            (self.tensor_parallel_size >= 1,
              f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}"),
             (self.tensor_parallel_size == 1 or self.quantization in (None, "none"),
              f"quantization={self.quantization!r} runs on one CPU process; it cannot be combined with "

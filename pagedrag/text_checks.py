@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 
 
 def check_utf8(name: str, text: str) -> None:
@@ -17,10 +17,11 @@ def check_utf8(name: str, text: str) -> None:
 
 
 def check_int(name: str, value: object) -> int:
-    """An int, never a bool (True is an int to Python, not to a JSON client)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """An int (a numpy integer becomes one), never a bool (True is an int to Python, not to a
+    JSON client)."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    return value
+    return int(value)
 
 
 def check_float(name: str, value: object) -> float:

@@ -1,5 +1,8 @@
 """The offline API's accounting and its answers to bad input."""
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from pagedrag import LLM, EngineArgs, SamplingParams
@@ -84,10 +87,24 @@ def test_invalid_sampling_values(kwargs, message):
     ({"block_size": 12}, "power of two"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ({"preemption_mode": "drop"}, "preemption_mode"),
+    # a value of another type is refused by name, never read as truthy or compared with a number
+    ({"trust_remote_code": "false"}, "trust_remote_code must be true or false, got str 'false'"),
+    ({"enable_prefix_caching": "false"}, "enable_prefix_caching must be true or false"),
+    ({"max_model_len": "128"}, "max_model_len must be an integer"),
+    ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number"),
+    ({"max_num_seqs": 2.5}, "max_num_seqs must be an integer"),
+    ({"seed": "1"}, "seed must be an integer"),
+    ({"model": 3}, "model must be a string"),
 ])
 def test_invalid_engine_args(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(**kwargs)
+
+
+def test_engine_args_take_paths_numpy_numbers_and_no_seed():
+    args = EngineArgs(model=Path("/models/x"), max_model_len=np.int64(128), gpu_memory_utilization=1, seed=None)
+    assert (args.model, type(args.max_model_len), args.gpu_memory_utilization) == ("/models/x", int, 1.0)
+    assert isinstance(args.seed, int)  # None: a random seed, as vLLM (kept, so every rank shares it)
 
 
 def test_bad_prompts_fail_before_work_and_others_keep_running(llm):

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from model_fixtures import make_tiny_model
 from pagedrag import LLM, SamplingParams
-from pagedrag.worker.cuda_graphs import GraphShape, StepGraphs, verification_shapes
+from pagedrag.worker.cuda_graphs import MAX_VERIFICATION_TOKENS, GraphShape, StepGraphs, verification_shapes
 from pagedrag.config import EngineArgs
 from pagedrag.core.request import Request
 from pagedrag.server.cli import add_arguments, engine_args_from
@@ -177,6 +177,19 @@ def test_seeded_sampling_emits_what_it_emits_without_speculation(tiny, method):
     assert token_ids(generate(spec, prompts[:1], **params)) == expected[:2]
     assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
     assert_all_free(spec)
+
+
+def test_siblings_fork_when_the_prompt_ends_in_a_one_token_chunk(tiny):
+    """n > 1 whose last prefill chunk is one token (33 tokens over a 16-token budget): that step
+    drafts nothing, so the siblings fork off the first token's row as without speculation (a
+    draft there once made them fork a step late, copying the parent's first token)."""
+    path, _ = tiny
+    prompt = repeating_prompts()[0][:33]
+    params = dict(temperature=1.0, seed=5, n=3, max_tokens=6)
+    engine = dict(max_num_batched_tokens=16, enable_prefix_caching=False)
+    expected = token_ids(generate(make_llm(path, **engine), [prompt], **params))
+    assert len({tokens[0] for tokens in expected}) > 1  # siblings that start apart: the check bites
+    assert token_ids(generate(make_llm(path, NGRAM, **engine), [prompt], **params)) == expected
 
 
 def test_sampled_distribution_unchanged(tiny):
@@ -364,6 +377,8 @@ def test_verification_steps_replay_graphs_of_their_own():
                         device=torch.device("cpu"), verification=verification_shapes(8, 4))
     assert verification_shapes(0, 4) == []
     assert {s.num_tokens for s in verification_shapes(1, 8)} == {2, 3, 5, 9}
+    huge = verification_shapes(8, 10 ** 12)  # vLLM bounds no num_speculative_tokens; the graphs are bounded
+    assert huge and max(s.num_tokens for s in huge) <= MAX_VERIFICATION_TOKENS
     assert graphs.shape_for(1, 5, decode=False) == GraphShape(1, 5)
     shorter_drafts = graphs.shape_for(3, 13, decode=False)  # the smallest that holds it
     assert shorter_drafts.num_seqs >= 3 and 13 <= shorter_drafts.num_tokens <= 20

@@ -218,8 +218,10 @@ class Scheduler:
 
     def _draft(self, request: Request, num_new: int, budget: int, batch_size: int) -> list[int]:
         """The drafter's tokens for a decode (one new token, known), within what the request's
-        max_tokens and max_model_len and the step's budget leave room for after it."""
-        if self.drafter is None or num_new != 1 or request.num_inflight_tokens:
+        max_tokens and max_model_len and the step's budget leave room for after it. A request
+        with siblings still to fork (n > 1, its first token not sampled yet: a prompt whose last
+        chunk is one token) does not draft: they fork off the row of that token (LLMEngine)."""
+        if self.drafter is None or num_new != 1 or request.num_inflight_tokens or request.pending_forks:
             return []  # a token still on the device (asynchronous step): the drafter cannot see it
         room = budget - 1
         if request.params.max_tokens is not None:

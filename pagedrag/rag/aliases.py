@@ -45,6 +45,7 @@ SETTINGS_ALIASES: Mapping[str, str] = {
     "api_headers": "default_headers",        # VllmServer; ChatOpenAI calls them default_headers
 }
 BEST_OF = "best_of"  # vLLM's: sample best_of, keep the n most likely; pagedrag samples exactly n
+BEAM_SEARCH = "use_beam_search"  # vLLM's former SamplingParams field (LLM.beam_search replaced it)
 # SamplingParams fields whose results a framework's response has no place for (pagedrag.LLM
 # and the server's /v1/completions return them)
 UNREPORTED = ("prompt_logprobs",)
@@ -82,10 +83,10 @@ def canonical_settings(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def canonical_sampling(kwargs: Mapping[str, Any], where: str = "keyword arguments") -> dict[str, Any]:
-    """SamplingParams keywords (and ``best_of``) under their field names; anything else is a
-    TypeError naming it."""
+    """SamplingParams keywords (and vLLM's ``best_of`` and ``use_beam_search``) under their field
+    names; anything else is a TypeError naming it."""
     renamed = _renamed(kwargs, SAMPLING_ALIASES)
-    unknown = sorted(set(renamed) - SAMPLING_FIELDS - {BEST_OF})
+    unknown = sorted(set(renamed) - SAMPLING_FIELDS - {BEST_OF, BEAM_SEARCH})
     if unknown:
         raise TypeError(f"{where} {unknown} are not pagedrag.SamplingParams fields (nor their aliases "
                         f"{sorted(SAMPLING_ALIASES)})")
@@ -96,8 +97,12 @@ def sampling_params(settings: Mapping[str, Any]) -> SamplingParams:
     """SamplingParams from canonical settings. ``best_of`` is accepted where it changes
     nothing (None, or equal to n); pagedrag never samples more than n (vLLM V1 dropped
     best_of too), so any other value is a ValueError rather than quietly ignored. So are
-    the UNREPORTED fields, whose results would be computed and then dropped."""
+    the UNREPORTED fields, whose results would be computed and then dropped, and beam search
+    (``use_beam_search``: only False is accepted)."""
     settings = dict(settings)
+    if settings.pop(BEAM_SEARCH, False) is not False:
+        raise ValueError("use_beam_search=True is not supported here: pagedrag samples n completions; "
+                         "pagedrag.LLM.beam_search runs beam search offline")
     best_of, n = settings.pop(BEST_OF, None), settings.get("n", 1)
     if best_of is not None and best_of != n:
         raise ValueError(f"best_of={best_of} is not supported: pagedrag samples exactly n={n} completions "

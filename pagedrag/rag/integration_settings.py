@@ -33,8 +33,8 @@ SERVER_ONLY = ("timeout", "max_retries")  # a connection's: an in-process engine
 # Engine arguments that a server (base_url) ignores at the value the replaced classes default
 # to: VllmServer inherits Vllm's trust_remote_code=True and never uses it.
 SERVER_IGNORED_ENGINE_ARGS = {"trust_remote_code": True}
-SAMPLING_SETTINGS = ("temperature", "max_tokens", "top_p", "top_k", "n", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "stop", "seed")
+SAMPLING_SETTINGS = ("temperature", "max_tokens", "top_p", "top_k", "n", "best_of", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "stop", "seed", "ignore_eos")
 
 
 class EngineSettings(BaseModel):
@@ -61,11 +61,13 @@ class EngineSettings(BaseModel):
     top_p: float | None = Field(default=None, description="Nucleus sampling; None: 1.0 (off).")
     top_k: int | None = Field(default=None, description="Top-k sampling; None, 0 or -1: off.")
     n: int | None = Field(default=1, description="Completions per prompt; None: 1.")
+    best_of: int | None = Field(default=None, description="vLLM's best_of: only None or n (pagedrag samples n).")
     presence_penalty: float | None = Field(default=None, description="In [-2, 2]; None: 0.")
     frequency_penalty: float | None = Field(default=None, description="In [-2, 2]; None: 0.")
     repetition_penalty: float | None = Field(default=None, description="In (0, 2]; None: 1 (off).")
     stop: list[str] | str | None = Field(default=None, description="Stop strings (one may be given as a string).")
     seed: int | None = None
+    ignore_eos: bool = Field(default=False, description="Generate past the end-of-sequence token.")
     cache_salt: str | None = Field(default=None, description="Keeps this tenant's cached prefixes apart.")
     timeout: float | None = Field(default=None,
                                   description=f"Seconds a server may take; None: {DEFAULT_TIMEOUT_S:.0f}.")
@@ -144,6 +146,9 @@ class EngineSettings(BaseModel):
         settings = {name: value for name, value in settings.items() if value is not None or name == "max_tokens"}
         call = aliases.canonical_sampling(overrides, "call keywords")
         if stop is not None:
+            if call.get("stop", stop) != stop:
+                raise ValueError(f"stop={stop!r} and the call's stop sequences {call['stop']!r} set the same "
+                                 "thing; give one")
             call["stop"] = stop
         return aliases.sampling_params({**settings, **self.extra_sampling, **call})
 

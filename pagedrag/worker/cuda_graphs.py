@@ -31,6 +31,7 @@ import torch
 from pagedrag.models.attention import AttentionMetadata
 
 MAX_PREFILL_TOKENS = 512
+MAX_VERIFICATION_TOKENS = 2048  # a verification step past this runs eagerly (its buffers would be large)
 
 
 def decode_sizes(max_batch: int) -> list[int]:
@@ -56,12 +57,14 @@ class GraphShape:
 def verification_shapes(max_drafting: int, max_draft: int) -> list[GraphShape]:
     """Steps of B drafting sequences, B in decode_sizes(max_drafting), each checking 1 + j
     tokens for j = 1, 2, 4, ... up to max_draft (drafts shorten after rejections, so a
-    step seldom has every row at max_draft: it pads to the next size, at most ~2x); none
-    without drafting (max_drafting 0)."""
+    step seldom has every row at max_draft: it pads to the next size, at most ~2x), of at
+    most MAX_VERIFICATION_TOKENS tokens in all (so a huge num_speculative_tokens sizes no
+    buffer: longer steps run eagerly); none without drafting (max_drafting 0)."""
     if max_drafting < 1:
         return []
     drafts = sorted({2 ** i for i in range(max_draft.bit_length()) if 2 ** i < max_draft} | {max_draft})
-    return [GraphShape(b, b * (1 + j)) for b in decode_sizes(max_drafting) for j in drafts]
+    return [GraphShape(b, b * (1 + j)) for b in decode_sizes(max_drafting) for j in drafts
+            if b * (1 + j) <= MAX_VERIFICATION_TOKENS]
 
 
 class StepGraphs:

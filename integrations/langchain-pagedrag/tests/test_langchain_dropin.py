@@ -168,8 +168,31 @@ def test_vllm_default_use_beam_search_is_ignored_with_a_warning(caplog):
     with caplog.at_level("WARNING", logger="pagedrag"):
         llm = PagedRAGLLM(use_beam_search=False)
     assert llm.model_kwargs == {} and "use_beam_search=False not used" in caplog.text
-    with pytest.raises(TypeError, match=r"\['use_beam_search'\]"):
+    with pytest.raises(ValidationError, match="use_beam_search=True is not supported.*LLM.beam_search"):
         PagedRAGLLM(use_beam_search=True)
+
+
+def test_vllm_arguments_are_kept_without_a_routing_warning(recwarn):
+    """langchain_community's VLLM fields mean the same here; best_of (= n) and ignore_eos are
+    settings of their own, not unknown arguments that LangChain moves into model_kwargs."""
+    community = pytest.importorskip("langchain_community.llms")
+    vllm_arguments = {"model": None, "tensor_parallel_size": 1, "trust_remote_code": False, "n": 2, "best_of": 2,
+                      "presence_penalty": 0.5, "frequency_penalty": 0.25, "temperature": 0.5, "top_p": 0.9,
+                      "top_k": 5, "stop": ["\n\n"], "ignore_eos": True, "max_new_tokens": 3, "logprobs": 1,
+                      "dtype": "auto", "download_dir": None, "vllm_kwargs": VLLM_KWARGS}
+    assert set(vllm_arguments) <= get_pydantic_field_names(community.VLLM)
+    llm = PagedRAGLLM(**vllm_arguments)
+    assert not [w for w in recwarn if "model_kwargs" in str(w.message)] and llm.model_kwargs == {}
+    assert llm.sampling({}) == SamplingParams(n=2, presence_penalty=0.5, frequency_penalty=0.25, temperature=0.5,
+                                              top_p=0.9, top_k=5, stop=["\n\n"], ignore_eos=True, max_tokens=3,
+                                              logprobs=1)
+
+
+def test_a_call_stop_and_its_alias_must_agree():
+    llm = PagedRAGLLM()
+    assert llm.call_sampling({"stop_sequences": ["B"]}, ["B"]).stop == ["B"]
+    with pytest.raises(ValueError, match="set the same thing"):
+        llm.call_sampling({"stop_sequences": ["A"]}, ["B"])
 
 
 def test_a_saved_model_loads_without_a_connection_warning(caplog):

@@ -104,8 +104,6 @@ class PagedRAG(ChunkReuseSettings, FunctionCallingLLM):
     context_window: int | None = Field(default=None, gt=0,
                                        description="Tokens LlamaIndex packs a prompt into; None: max_model_len.")
     is_chat_model: bool = Field(default=True, description="Whether LlamaIndex sends chats (else completions).")
-    best_of: int | None = Field(default=None, description="vLLM's best_of: only None or n (pagedrag samples n).")
-    ignore_eos: bool = Field(default=False, description="Generate past the end-of-sequence token.")
     logprobs: int | None = Field(default=None, ge=0,
                                  description="Top log probabilities per generated token (response.logprobs).")
     openai_like: bool = Field(default=False, description="VllmServer's; PagedRAG always uses the OpenAI routes.")
@@ -127,9 +125,8 @@ class PagedRAG(ChunkReuseSettings, FunctionCallingLLM):
 
     @property
     def extra_sampling(self) -> dict[str, Any]:
-        own = {"best_of": self.best_of, "ignore_eos": self.ignore_eos, "logprobs": self.logprobs}
-        return {**{name: value for name, value in own.items() if value is not None},
-                **self.extra_fields(self.additional_kwargs, "additional_kwargs")}
+        logprobs = {} if self.logprobs is None else {"logprobs": self.logprobs}
+        return {**logprobs, **self.extra_fields(self.additional_kwargs, "additional_kwargs")}
 
     @property
     def metadata(self) -> LLMMetadata:

@@ -36,8 +36,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     query [B, heads, head_dim]; block_tables [B, max_blocks] (int32, padded with
     any valid block id); context_lens [B] (int32, >= 1, the current token included).
     Returns [B, heads, head_dim]. Sequence by sequence through torch's fused CPU
-    attention (SDPA, GQA without repeating K/V), in float32 for lower-precision caches
-    (float64, the kernel tests' ground truth, stays float64).
+    attention (SDPA), in float32 for lower-precision caches (float64, the kernel tests' ground
+    truth, stays float64). Grouped-query attention without repeating K/V: the query heads that
+    share a KV head (consecutive ones) go in as that head's query rows, which ran a quarter
+    faster than SDPA's enable_gqa (SmolLM2's heads, 800-1,600 cached tokens, 2-core EPYC).
     A context whose block ids run consecutively (the common case: a request's blocks
     mostly come in a few such runs) is one view of the cache, read in place; otherwise
     its runs are joined. On a 2-core EPYC (SmolLM2's heads, 150 cached tokens) this took
@@ -52,9 +54,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         table = block_tables[b, :-(-length // block_size)].tolist()
         runs = _block_runs(table, block_size, length)
         keys, values = (_context_rows(cache, runs).transpose(0, 1)[None].to(dtype) for cache in (k_cache, v_cache))
-        attended = F.scaled_dot_product_attention(
-            query[b].view(1, num_heads, 1, head_dim).to(dtype), keys, values, scale=scale,
-            enable_gqa=num_heads != keys.shape[1])
+        grouped = query[b].view(1, keys.shape[1], -1, head_dim).to(dtype)  # [1, kv_heads, heads per kv head, dim]
+        attended = F.scaled_dot_product_attention(grouped, keys, values, scale=scale)
         out[b] = attended.view(num_heads, head_dim)
     return out
 

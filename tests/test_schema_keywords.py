@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 import jsonschema
 import pytest
+import xgrammar
 
 from model_fixtures import make_tokenizer
 from pagedrag import SamplingParams, StructuredOutputsParams
 from pagedrag.structured.compiler import GrammarCompiler, choice_grammar
+from pagedrag.structured.masks import allowed_tokens
 from pagedrag.structured.schema_support import ASCII_CLASSES, LITERAL_ESCAPES, check_regex
 
 # The keywords of draft 2020-12's vocabularies (core, applicator, unevaluated, validation,
@@ -84,6 +86,9 @@ CASES = [
     refused("minimum", {"x-defs": {"N": {"minimum": 5, "maximum": 6}}, "type": "object",
                         "properties": {"n": {"$ref": "#/x-defs/N"}}}, "$.x-defs.N"),
     refused("not", {"then": {"type": "integer", "not": {"const": 3}}, "$ref": "#/then"}, "$.then"),
+    # a URI fragment: xgrammar decodes its percent-escapes, so the check does too
+    refused("not", {"$defs": {"Small Int": {"type": "integer", "not": {"const": 3}}},
+                    "$ref": "#/$defs/Small%20Int"}, "$.$defs['Small Int']"),
     enforced("maxLength", {"x-defs": {"S": {"type": "string", "maxLength": 3}}, "$ref": "#/x-defs/S"},
              ['"abc"'], ['"abcd"']),
     enforced("$ref", {"x-defs": {"T": {"type": "object", "properties": {"c": {"$ref": "#/x-defs/T"}}}},
@@ -133,6 +138,9 @@ CASES = [
     enforced("anyOf", {"anyOf": [INT, STR]}, ["1", '"x"'], ["null"]),
     refused("required", {"required": ["a"], "anyOf": [{"type": "object", "properties": {"a": INT}}]}),
     enforced("oneOf", {"oneOf": [INT, STR]}, ["1", '"x"'], ["null"]),
+    # a nullable branch also matches null, where "required" holds vacuously: not discriminated
+    refused("oneOf", {"oneOf": [{"type": ["object", "null"], "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                                {"type": ["object", "null"], "properties": {"k": {"const": "b"}}, "required": ["k"]}]}),
     enforced("oneOf", {"$defs": {"A": {"type": "object", "properties": {"k": {"const": "a"}, "x": INT},
                                        "required": ["k", "x"]},
                                  "B": {"type": "object", "properties": {"k": {"const": "b"}, "y": STR},
@@ -369,6 +377,44 @@ def test_regex_escapes_xgrammar_reads_otherwise_are_refused(letter):
 @pytest.mark.parametrize("pattern", ["^a\\\\Z$", "^\\d\\w\\s\\.$", "^[\\x41-\\x5a]\\n\\t$"])
 def test_regex_escapes_xgrammar_reads_as_the_validator_does_pass(pattern):
     check_regex(pattern, "test")
+
+
+@pytest.mark.parametrize("pattern, character", [
+    ('^"$', '"'), ("^\\\\$", "\\"), ("^[A-Z]:\\\\[a-z]+$", "\\"), ("^[ -~]+$", '"'), ("^\\x22$", '"'),
+    ("^(a|\\t)$", "\t"), ("^\\w+\\s\\w+$", "\t"), ('^["a]$', '"'), ("^[\\x00-\\x1f]$", "\x00"),
+])
+def test_a_pattern_that_can_write_what_json_escapes_is_refused(compiler, pattern, character):
+    """xgrammar writes a pattern's literals, positive classes and \\s into the JSON string as they
+    are: a quote, a backslash or a control character there is not JSON."""
+    with pytest.raises(ValueError, match=f"keyword 'pattern' at \\$: .*can match {re.escape(repr(character))}"):
+        StructuredOutputsParams(json={"type": "string", "pattern": pattern})
+    with pytest.raises(ValueError, match="keyword 'patternProperties'"):
+        StructuredOutputsParams(json={"type": "object", "patternProperties": {pattern: INT}})
+
+
+@pytest.mark.parametrize("pattern, good, bad", [
+    ("^.$", ['"a"'], ['"\\""', '"\\\\"']), ("^[^a]$", ['"b"'], ['"\\""']),
+    ("^[ !#-\\[\\]-~]+$", ['"a b~"'], ['"a\\"b"']),
+])
+def test_a_pattern_that_cannot_write_them_is_enforced(compiler, pattern, good, bad):
+    """``.`` and negated classes exclude them in xgrammar (narrower than the schema: still valid)."""
+    params = StructuredOutputsParams(json={"type": "string", "pattern": pattern})
+    assert all(accepts(compiler, params, text) for text in good)
+    assert not any(accepts(compiler, params, text) for text in bad)
+
+
+def test_special_tokens_are_never_allowed_inside_constrained_output(compiler):
+    """A special token's text (<|im_start|>) would be dropped by the detokenizer, so the output
+    would not be the text the grammar accepted: only the stop token ends the grammar."""
+    tokenizer = make_tokenizer()
+    matcher = compiler.matcher(StructuredOutputsParams(json={"type": "string"}))
+    assert matcher.accept_string('"ab')
+    bitmask = xgrammar.allocate_token_bitmask(1, len(tokenizer))
+    matcher.fill_next_token_bitmask(bitmask)
+    allowed = allowed_tokens(bitmask, len(tokenizer))[0]
+    special = [index for index, token in tokenizer.added_tokens_decoder.items() if token.special]
+    assert special and not any(allowed[index] for index in special)
+    assert allowed[tokenizer.convert_tokens_to_ids("a")]
 
 
 def test_choice_keeps_characters_past_ascii_and_escapes_the_rest(compiler):

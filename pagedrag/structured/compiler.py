@@ -93,10 +93,33 @@ class GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 import xgrammar
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids)
+                info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
             return self._compiler
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    """xgrammar's view of the vocabulary, in which the tokenizer's special tokens (its added
+    tokens marked special, but the stop tokens) are never allowed, as xgrammar treats a token
+    whose text is empty. xgrammar alone reads <|im_start|> as text a JSON string may hold, and
+    the detokenizer then drops it, so the output's text would not be what the grammar accepted
+    (a minLength short, a pattern broken). Where the vocabulary rebuilt that way would read any
+    other token otherwise than xgrammar's own reading, that reading is kept."""
+    import xgrammar
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    special = {index for index, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+               if token.special and index < vocab_size} - set(stop_token_ids)
+    if not special:
+        return info
+    encoded = [""] * vocab_size
+    for token, index in tokenizer.get_vocab().items():
+        if index < vocab_size and index not in special:
+            encoded[index] = token
+    narrowed = xgrammar.TokenizerInfo.from_vocab_and_metadata(encoded, info.dump_metadata())
+    ours, theirs = narrowed.decoded_vocab, info.decoded_vocab
+    if any(ours[index] != theirs[index] for index in range(vocab_size) if index not in special):
+        return info
+    return narrowed
 
 
 def json_grammar(schema: str, any_whitespace: bool) -> str:

@@ -3,14 +3,16 @@
 The grammar backend enforces ``oneOf`` as ``anyOf`` (a value of two branches passes), so
 ``oneOf`` holds only where no value matches two branches. Two branches are known disjoint
 when their ``type`` sets do not meet, their ``const`` / ``enum`` values do not meet, or
-both are objects that require one property whose ``const`` / ``enum`` values do not meet
-(a discriminated union, as pydantic writes it). Anything else may overlap.
+both are objects only (``"type": "object"``) and require one property whose ``const`` /
+``enum`` values do not meet (a discriminated union, as pydantic writes it). Anything else may
+overlap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import unquote
 
 from pagedrag.structured.json_values import value_key
 
@@ -46,15 +48,16 @@ def pointer(root: Any, ref: str) -> Any:
 
 def locate(root: Any, ref: str) -> tuple[tuple[str | int, ...], Any] | None:
     """(its steps from ``root``, the value) for a local JSON pointer ``ref``, as xgrammar
-    reads it: "~1" is "/", "~0" is "~", and a step into a list is an index (a step an int).
-    None when ``ref`` is not local or names nothing."""
+    reads it: a URI fragment, so percent-escapes are decoded first ("%20" is a space), then
+    "~1" is "/", "~0" is "~", and a step into a list is an index (a step an int). None when
+    ``ref`` is not local or names nothing."""
     if ref == "#":
         return (), root
     if not ref.startswith("#/"):
         return None
     node, steps = root, []
     for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
         if isinstance(node, list) and part.isdigit() and int(part) < len(node):
             step = int(part)
         elif isinstance(node, Mapping) and part in node:
@@ -101,6 +104,10 @@ def _values_disjoint(a: Mapping, b: Mapping) -> bool:
 
 
 def _discriminated(a: Mapping, b: Mapping, root: Any) -> bool:
+    """Both are objects only (a nullable one also matches null, where "required" holds
+    vacuously) and require a property whose const / enum values do not meet."""
+    if _types(a) != {"object"} or _types(b) != {"object"}:
+        return False
     for name in _required(a) & _required(b):
         pa, pb = resolve(_property(a, name), root), resolve(_property(b, name), root)
         if isinstance(pa, Mapping) and isinstance(pb, Mapping) and _values_disjoint(pa, pb):

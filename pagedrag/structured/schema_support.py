@@ -24,6 +24,12 @@ from typing import Any
 
 from pagedrag.structured.schema_oneof import locate, overlapping_pair
 
+try:  # Python 3.11+
+    from re import _constants as regex_constants, _parser as regex_parser
+except ImportError:  # Python 3.10
+    import sre_constants as regex_constants
+    import sre_parse as regex_parser
+
 # Constraints the backend never enforces (it ignores them), with why they are refused.
 NEVER = {
     "uniqueItems": "(xgrammar ignores it; pagedrag enforces it on an array of an enum or const of at most "
@@ -56,6 +62,8 @@ NUMBER_PLACES = {"number": 6, "integer": 0}
 LITERAL_ESCAPES = frozenset("ghijlmoqyzACEFGHIJKLMNOQRTUVXYZ")
 # Classes xgrammar reads as ASCII: broader than the validator's Unicode ones (Python's re).
 ASCII_CLASSES = {"W": "[^a-zA-Z0-9_]", "D": "[^0-9]", "S": "[^ \\t\\n\\r\\f\\v]"}
+# Characters a JSON string holds only escaped (code points): a quote, a backslash, controls.
+JSON_ESCAPED = frozenset(range(0x20)) | {ord('"'), ord("\\")}
 
 
 def check_schema(schema: Any) -> None:
@@ -179,9 +187,62 @@ def _check_strings(node: Mapping, path: str) -> None:
         if shaped_by and keyword in node:
             raise refused(keyword, path, f"beside {shaped_by!r} (xgrammar drops it)")
     if isinstance(node.get("pattern"), str):
-        check_regex(node["pattern"], f"JSON schema keyword 'pattern' at {path}")
+        check_json_pattern(node["pattern"], f"JSON schema keyword 'pattern' at {path}")
     for pattern in node.get("patternProperties") or ():
-        check_regex(pattern, f"JSON schema keyword 'patternProperties' at {path}")
+        check_json_pattern(pattern, f"JSON schema keyword 'patternProperties' at {path}")
+
+
+def check_json_pattern(pattern: str, where: str) -> None:
+    """``check_regex``, and a ValueError where the pattern, a JSON string's, can write a
+    character JSON holds only escaped (a quote, a backslash, a control character): xgrammar
+    writes a pattern's literal characters, positive classes and ``\\s`` as they are, which is
+    not JSON. (``.`` and negated classes it keeps from writing them: narrower, still valid.)"""
+    check_regex(pattern, where)
+    character = _unescaped_json_character(pattern)
+    if character is not None:
+        raise _bad_regex(pattern, where, f"it can match {character!r}, which xgrammar writes unescaped into the "
+                                         "JSON string (not JSON); leave quotes, backslashes and control characters "
+                                         "out of it (printable ASCII without them: [ !#-\\[\\]-~])")
+
+
+def _unescaped_json_character(pattern: str) -> str | None:
+    """The first character JSON holds only escaped that a literal, a positive class or \\s
+    of ``pattern`` matches (as Python's re parses it); None for none, or for a pattern Python
+    cannot parse (check_regex has judged xgrammar's reading of it)."""
+    try:
+        pending = [regex_parser.parse(pattern)]
+    except (re.error, RecursionError, OverflowError):
+        return None
+    while pending:
+        for op, argument in pending.pop():
+            if op is regex_constants.LITERAL and argument in JSON_ESCAPED:
+                return chr(argument)
+            if op is regex_constants.IN and argument[:1] != [(regex_constants.NEGATE, None)]:
+                found = next(filter(None, map(_escaped_in_class_item, argument)), None)
+                if found is not None:
+                    return found
+            pending.extend(_nested_patterns(argument))
+    return None
+
+
+def _escaped_in_class_item(item: tuple) -> str | None:
+    kind, value = item
+    if kind is regex_constants.LITERAL:
+        return chr(value) if value in JSON_ESCAPED else None
+    if kind is regex_constants.RANGE:
+        return next((chr(code) for code in sorted(JSON_ESCAPED) if value[0] <= code <= value[1]), None)
+    if kind is regex_constants.CATEGORY and value is regex_constants.CATEGORY_SPACE:
+        return "\t"
+    return None
+
+
+def _nested_patterns(argument: Any) -> Iterator[Any]:
+    """The parsed subpatterns inside a parsed item's argument (a repeat's, a group's, a branch's)."""
+    for part in argument if isinstance(argument, (tuple, list)) else ():
+        if isinstance(part, regex_parser.SubPattern):
+            yield part
+        elif isinstance(part, (tuple, list)):
+            yield from _nested_patterns(part)
 
 
 def check_regex(pattern: str, where: str) -> None:

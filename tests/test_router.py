@@ -26,12 +26,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedrag import LLM, SamplingParams
 from pagedrag.core.block_hash import extend_block_hashes
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
-from pagedrag.router.data_parallel import ROUTER_DESTS, replica_argv
+from pagedrag.router.data_parallel import ROUTER_DESTS, LocalReplica, Replicas, _send, replica_argv
 from pagedrag.router.metrics_sum import merge_metrics
 from pagedrag.router.prompt_blocks import PromptBlocks
 from pagedrag.router.warm_fanout import warm_every_replica
 from pagedrag.server.background import free_port
-from pagedrag.server.cli import add_arguments
+from pagedrag.server.cli import add_arguments, template_text
 
 SYSTEM = "You answer questions about the Python standard library from the documents given. " * 4
 
@@ -65,6 +65,71 @@ def test_round_robin_alternates_and_bad_settings_are_refused():
         AffinityThresholds(cache_threshold=2)
     with pytest.raises(ValueError, match="no replica"):
         ReplicaChooser().choose([b"a"], {})
+
+
+class _Running:
+    """A replica process that runs (poll() is None) until ``returncode`` is set."""
+
+    def __init__(self, returncode: int | None = None):
+        self.returncode = returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+def _fake_replicas(answers: dict[str, httpx.Response]) -> Replicas:
+    """Replicas up, named as ``answers``' keys, each answering every request with its answer."""
+    replicas = [LocalReplica(name, [], port=1000 + index, up=True, ever_up=True, process=_Running())
+                for index, name in enumerate(answers)]
+    by_port = {replica.port: answers[replica.name] for replica in replicas}
+
+    def replica_side(request: httpx.Request) -> httpx.Response:
+        answer = by_port[request.url.port]
+        return httpx.Response(answer.status_code, content=answer.content, headers=answer.headers)
+
+    return Replicas(replicas, ReplicaChooser("round_robin"), blocks=None,
+                    client=httpx.AsyncClient(transport=httpx.MockTransport(replica_side)))
+
+
+def test_a_replica_at_its_max_queue_passes_the_request_to_another():
+    full = httpx.Response(503, json={"error": {"message": "queue full", "code": "queue_full"}})
+    replicas = _fake_replicas({"a": full, "b": httpx.Response(200, json={"served_by": "b"})})
+    request = SimpleNamespace(headers={}, method="POST", url=SimpleNamespace(path="/v1/completions"),
+                              query_params={})
+    reply = asyncio.run(_send(replicas, request, b"{}", []))
+    assert reply.status_code == 200 and json.loads(reply.body) == {"served_by": "b"}
+    everyone_full = _fake_replicas({"a": full, "b": full})
+    assert asyncio.run(_send(everyone_full, request, b"{}", [])).status_code == 503  # the last one's answer
+    assert [r.in_flight for r in replicas.replicas + everyone_full.replicas] == [0, 1, 0, 1]  # 1: being sent
+
+
+def test_a_replica_that_cannot_start_stops_the_router_instead_of_restarting_forever(monkeypatch):
+    replica = LocalReplica("0", [])
+    monkeypatch.setattr(replica, "start", lambda: setattr(replica, "process", _Running(returncode=1)))
+    stopped = []
+    replicas = Replicas([replica], ReplicaChooser(), blocks=None, on_failure=lambda: stopped.append(True))
+    asyncio.run(asyncio.wait_for(replicas.supervise(), timeout=10))
+    assert stopped == [True] and "exited (code 1) before it came up" in replicas.failure
+    assert replica.restarts == 0
+
+
+@pytest.mark.parametrize("flag, value", [("--max-queue", "0"), ("--router-cache-threshold", "nan"),
+                                         ("--router-balance-abs-threshold", "-1"), ("--port", "99999")])
+def test_router_and_server_flags_out_of_range_are_refused_by_argparse(flag, value, capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args([flag, value])
+    assert exited.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_a_chat_template_that_looks_like_a_missing_file_is_refused(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert template_text(str(template)) == "{{ messages[0]['content'] }}"
+    assert template_text("{{ messages[0]['content'] }}") == "{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match="looks like a file path"):
+        template_text(str(tmp_path / "missing.jinja"))
 
 
 @pytest.fixture(scope="module")

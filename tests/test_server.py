@@ -275,6 +275,8 @@ def _assert_error(response: httpx.Response, status: int) -> dict:
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, None),  # without stream, as OpenAI
+    ({"prompt": "x", "cache_salt": "s" * 5000}, "cache_salt"),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt"),  # as vLLM: an empty salt is not "no salt"
     ({"prompt": "x", "echo": True}, None),
     ({"prompt": []}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
@@ -302,6 +304,7 @@ def test_bad_chat_is_400(server, body):
     ({"max_completion_tokens": 5000}, "max_completion_tokens"),  # past max_model_len
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"temperature": -0.5}, "temperature"),
+    ({"cache_salt": "s" * 5000}, "cache_salt"),
 ])
 def test_a_chat_error_names_the_field_the_client_sent(server, fields, param):
     body = {"messages": [{"role": "user", "content": "hi"}], **fields}

@@ -96,7 +96,7 @@ class InputProcessor:
         salt = cache_salt if cache_salt is not None else salt
         if truncate_prompt_tokens is not None and len(token_ids) > truncate_prompt_tokens:
             text, token_ids, segments = None, token_ids[-truncate_prompt_tokens:], ()
-        self._check_salt(salt)
+        check_cache_salt(salt)
         self.check_prompt_ids(token_ids)
         return ProcessedPrompt(text, token_ids, salt, segments)
 
@@ -262,15 +262,6 @@ class InputProcessor:
                 "it must be shorter to leave room for at least one generated token")
         self._check_in_vocab("prompt", "prompt token ids", token_ids)
 
-    def _check_salt(self, salt: object) -> None:
-        if salt is None:
-            return
-        if not isinstance(salt, str):
-            raise TypeError(f"cache_salt must be a string, got {type(salt).__name__}")
-        check_utf8("cache_salt", salt)
-        if len(salt) > MAX_CACHE_SALT_CHARS:
-            raise ValueError(f"cache_salt may hold at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
-
     def _check_in_vocab(self, param: str, what: str, token_ids: list[int]) -> None:
         """ParameterError naming ``param`` unless every id is in the vocabulary."""
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -375,6 +366,20 @@ class InputProcessor:
         variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
                     for word in params.bad_words for text in (word, " " + word.lstrip())}
         return [list(ids) for ids in variants if ids]
+
+
+def check_cache_salt(salt: object) -> None:
+    """None, or a non-empty UTF-8 string of at most MAX_CACHE_SALT_CHARS characters (an empty
+    one is refused, as vLLM refuses it: it would name a tenant of its own, unlike no salt)."""
+    if salt is None:
+        return
+    if not isinstance(salt, str):
+        raise TypeError(f"cache_salt must be a string, got {type(salt).__name__}")
+    if not salt:
+        raise ValueError("cache_salt must be a non-empty string when given")
+    check_utf8("cache_salt", salt)
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt may hold at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
 
 
 def normalize_conversation(conversation: Conversation) -> Conversation:

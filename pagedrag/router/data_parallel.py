@@ -11,9 +11,14 @@ Invariants:
 - POST /v1/warm is the exception: it goes to every replica up at once and is answered as one
   (router.warm_fanout).
 - A replica that dies is restarted (its estimated cache forgotten); while none is up,
-  requests wait for one up to ``REPLICA_WAIT_S`` and are then answered 503.
-- /metrics and /v1/stats are every replica's figures and their sums (router.metrics_sum);
-  /health is 200 while any replica is up.
+  requests wait for one up to ``REPLICA_WAIT_S`` and are then answered 503. A replica that
+  exits before it ever came up cannot start with these flags: the router stops (exit code 1)
+  rather than restart it forever.
+- A replica up is asked for /health every ``HEALTH_EVERY_S``; one that misses
+  ``HEALTH_MISSES`` answers in a row (hung, stopped) gets no new requests until it answers.
+- A replica that answers 503 queue_full (its --max-queue) passes the request to another.
+- /metrics and /v1/stats are every replica's figures and their sums (router.metrics_sum),
+  from those that answer within ``FIGURES_TIMEOUT_S``; /health is 200 while any replica is up.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -46,6 +51,10 @@ from pagedrag.server.errors import APIError
 logger = logging.getLogger("pagedrag")
 
 REPLICA_WAIT_S = 300.0  # how long a request waits for a replica to come (back) up
+HEALTH_EVERY_S = 5.0
+HEALTH_TIMEOUT_S = 5.0
+HEALTH_MISSES = 2
+FIGURES_TIMEOUT_S = 10.0  # a replica's /metrics or /v1/stats, else left out of the sums
 
 
 @dataclass
@@ -57,6 +66,8 @@ class LocalReplica:
     port: int = 0
     process: subprocess.Popen | None = None
     up: bool = False
+    ever_up: bool = False  # came up at least once (else an exit means it cannot start)
+    missed_checks: int = 0
     in_flight: int = 0
     restarts: int = 0
 
@@ -66,7 +77,7 @@ class LocalReplica:
 
     def start(self) -> None:
         self.port = free_port()
-        self.up = False
+        self.up, self.missed_checks, self.in_flight = False, 0, 0
         command = [sys.executable, "-m", "pagedrag", "serve", *self.argv, "--host", "127.0.0.1",
                    "--port", str(self.port)]
         self.process = subprocess.Popen(command)
@@ -91,31 +102,67 @@ class Replicas:
     chooser: ReplicaChooser
     blocks: PromptBlocks
     client: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=None))
+    on_failure: Callable[[], None] = lambda: None  # called once a replica cannot start: stop serving
+    failure: str | None = None
 
     def up(self) -> list[LocalReplica]:
         return [replica for replica in self.replicas if replica.up and not replica.exited()]
 
     async def supervise(self) -> None:
-        """Start every replica, then restart any that exits, forever."""
+        """Start every replica, then restart any that exits (but one that never came up: then
+        ``on_failure``), and check the health of those up."""
         for replica in self.replicas:
             replica.start()
-        while True:
+        last_check = time.monotonic()
+        while self.failure is None:
             for replica in self.replicas:
                 if replica.exited() and replica.process is not None:
-                    logger.warning("replica %s exited (code %s); restarting it", replica.name,
-                                   replica.process.returncode)
-                    self.chooser.forget(replica.name)
-                    replica.restarts += 1
-                    replica.start()
-                if not replica.up and not replica.exited():
-                    replica.up = await self._healthy(replica)
+                    self._restart(replica)
+                elif not replica.up and await self._healthy(replica, 2.0):
+                    replica.up = replica.ever_up = True
+                    replica.missed_checks = 0
+            if time.monotonic() - last_check >= HEALTH_EVERY_S:
+                await asyncio.gather(*(self._check(replica) for replica in self.up()))
+                last_check = time.monotonic()
             await asyncio.sleep(0.5)
 
-    async def _healthy(self, replica: LocalReplica) -> bool:
+    def _restart(self, replica: LocalReplica) -> None:
+        code = replica.process.returncode
+        if not replica.ever_up:
+            self.failure = f"replica {replica.name} exited (code {code}) before it came up: see its log above"
+            logger.error("%s; stopping", self.failure)
+            self.on_failure()
+            return
+        logger.warning("replica %s exited (code %s); restarting it", replica.name, code)
+        self.chooser.forget(replica.name)
+        replica.restarts += 1
+        replica.ever_up = False
+        replica.start()
+
+    async def _check(self, replica: LocalReplica) -> None:
+        """One health check of a replica up; HEALTH_MISSES in a row take it out of routing."""
+        replica.missed_checks = 0 if await self._healthy(replica, HEALTH_TIMEOUT_S) else replica.missed_checks + 1
+        if replica.missed_checks >= HEALTH_MISSES:
+            logger.warning("replica %s missed %d health checks; no new requests go to it until it answers",
+                           replica.name, replica.missed_checks)
+            replica.up = False
+
+    async def _healthy(self, replica: LocalReplica, timeout: float) -> bool:
         try:
-            return (await self.client.get(replica.url + "/health", timeout=2)).status_code == 200
+            return (await self.client.get(replica.url + "/health", timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False
+
+    async def figures(self, path: str, headers: dict[str, str]) -> dict[str, httpx.Response]:
+        """Each replica up's answer to GET ``path``, of those that answer within FIGURES_TIMEOUT_S."""
+        async def ask(replica: LocalReplica) -> httpx.Response | None:
+            with contextlib.suppress(httpx.HTTPError):
+                return await self.client.get(replica.url + path, headers=headers, timeout=FIGURES_TIMEOUT_S)
+            return None
+
+        live = self.up()
+        replies = await asyncio.gather(*(ask(replica) for replica in live))
+        return {replica.name: reply for replica, reply in zip(live, replies) if reply is not None}
 
     async def live(self) -> list[LocalReplica]:
         """The replicas up, at least one: waits up to ``REPLICA_WAIT_S`` for one, then 503."""
@@ -159,23 +206,18 @@ def build_router_app(replicas: Replicas) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        texts = {}
-        for replica in replicas.up():
-            with contextlib.suppress(httpx.HTTPError):
-                texts[replica.name] = (await replicas.client.get(replica.url + "/metrics")).text
+        texts = {name: reply.text for name, reply in (await replicas.figures("/metrics", {})).items()}
         return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/stats")
     async def stats(request: Request) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         replies = {}
-        for replica in replicas.up():
-            with contextlib.suppress(httpx.HTTPError):
-                reply = await replicas.client.get(replica.url + "/v1/stats", headers=headers)
-                if reply.status_code != 200:  # a refused key: every replica says the same
-                    return Response(reply.content, status_code=reply.status_code,
-                                    media_type=reply.headers.get("content-type"))
-                replies[replica.name] = reply.json()
+        for name, reply in (await replicas.figures("/v1/stats", headers)).items():
+            if reply.status_code != 200:  # a refused key: every replica says the same
+                return Response(reply.content, status_code=reply.status_code,
+                                media_type=reply.headers.get("content-type"))
+            replies[name] = reply.json()
         if not replies:
             raise APIError(503, "no engine replica is up", code="service_unavailable")
         return JSONResponse(merge_stats(replies))
@@ -212,6 +254,10 @@ async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[
             tried.add(replica.name)
             logger.warning("replica %s failed (%s); sending the request to another", replica.name, error)
             continue
+        if reply.queue_full() and any(r.name not in tried | {replica.name} for r in replicas.up()):
+            await reply.discard(replica)
+            tried.add(replica.name)
+            continue
         return reply.response(replica)
     raise APIError(503, "every engine replica failed to answer this request", code="service_unavailable")
 
@@ -239,23 +285,39 @@ class _Reply:
             await upstream.aclose()
             raise
 
+    def queue_full(self) -> bool:
+        """A whole 503 answer with code queue_full: the replica is at its --max-queue."""
+        return self.first is None and self.upstream.status_code == 503 and b'"queue_full"' in self.upstream.content
+
+    async def discard(self, replica: LocalReplica) -> None:
+        replica.in_flight = max(0, replica.in_flight - 1)  # (a restart counts from 0 again)
+        await self.upstream.aclose()
+
     def response(self, replica: LocalReplica) -> Response:
+        """The answer to pass on. The replica's in-flight count drops once, when it is sent or
+        when its stream ends however it ends (a replica dying mid-stream included)."""
         headers = forwarded_headers(self.upstream.headers, drop={"content-encoding"})
+        released = False
 
         async def done() -> None:
-            replica.in_flight -= 1
-            await self.upstream.aclose()
+            nonlocal released
+            if not released:
+                released = True
+                await self.discard(replica)
 
         if self.first is None:
             return Response(self.upstream.content, status_code=self.upstream.status_code, headers=headers,
                             background=BackgroundTask(done))
-        return StreamingResponse(self._stream(), status_code=self.upstream.status_code, headers=headers,
+        return StreamingResponse(self._stream(done), status_code=self.upstream.status_code, headers=headers,
                                  background=BackgroundTask(done))
 
-    async def _stream(self) -> AsyncIterator[bytes]:
-        yield self.first
-        async for chunk in self.rest:
-            yield chunk
+    async def _stream(self, done: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+        try:
+            yield self.first
+            async for chunk in self.rest:
+                yield chunk
+        finally:
+            await done()
 
 
 def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: set[str]) -> list[str]:
@@ -305,5 +367,8 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     replicas = Replicas([LocalReplica(str(index), argv) for index in range(args.data_parallel_size)], chooser, blocks)
     logger.info("routing (%s) over %d replicas of `pagedrag serve %s` on http://%s:%d", args.router_policy,
                 args.data_parallel_size, " ".join(argv), args.host, args.port)
-    uvicorn.run(build_router_app(replicas), host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(build_router_app(replicas), host=args.host, port=args.port,
+                                           log_level=args.log_level))
+    replicas.on_failure = lambda: setattr(server, "should_exit", True)
+    server.run()
+    return 1 if replicas.failure else 0

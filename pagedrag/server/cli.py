@@ -23,6 +23,7 @@ logger = logging.getLogger("pagedrag")
 # ServerConfig.max_request_bytes's default, repeated so that --help need not import the
 # engine (a test keeps the two equal)
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
+TEMPLATE_CHARACTERS = "{}\n"  # a --chat-template with none of these is a path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,12 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             _add_engine_flag(engine, field, hints[field.name])
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
-    server.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    server.add_argument("--port", type=_port, default=8000, help="(default: %(default)s)")
     server.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several keys")
     server.add_argument("--salt-by-api-key", action="store_true",
                         help="give each API key its own prefix-cache salt (tenants never share blocks)")
-    server.add_argument("--max-queue", type=int, default=None,
+    server.add_argument("--max-queue", type=_positive_int, default=None,
                         help="answer 503 once this many requests are in flight (waiting + running)")
     server.add_argument("--served-model-name", nargs="+", default=None, dest="served_model_names",
                         metavar="NAME", help="model name(s) clients use (default: the model's own name)")
@@ -68,10 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "behind one endpoint that routes by prefix-cache affinity (default: %(default)s)")
     router.add_argument("--router-policy", default="prefix_affinity", choices=POLICIES,
                         help="how requests are spread over the replicas (default: %(default)s)")
-    router.add_argument("--router-cache-threshold", type=float, default=AffinityThresholds.cache_threshold,
+    router.add_argument("--router-cache-threshold", type=_share, default=AffinityThresholds.cache_threshold,
                         metavar="F", help="send a request to the replica holding its longest prefix when that "
                                           "covers at least this share of its blocks (default: %(default)s)")
-    router.add_argument("--router-balance-abs-threshold", type=int,
+    router.add_argument("--router-balance-abs-threshold", type=_non_negative_int,
                         default=AffinityThresholds.balance_abs_threshold, metavar="N",
                         help="route by load alone while the replicas' requests in flight differ by more "
                              "than N (default: %(default)s)")
@@ -81,6 +82,28 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, not {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], not {value}")
+    return value
+
+
+def _share(text: str) -> float:
+    """A fraction in [0, 1] (NaN refused)."""
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share in [0, 1], not {text}")
     return value
 
 
@@ -126,11 +149,17 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
 
 
 def template_text(value: str | None) -> str | None:
-    """--chat-template's text: the file it names, or the value itself (as vLLM reads it)."""
+    """--chat-template's text: the file it names, or the value itself (as vLLM reads it). A
+    value with none of a template's characters ({, }, a newline) is a path, and one that names
+    no file is a ValueError (as vLLM: it would otherwise be taken for a template of one line)."""
     if value is None:
         return None
     path = Path(value).expanduser()
-    return path.read_text() if path.is_file() else value
+    if path.is_file():
+        return path.read_text()
+    if not any(character in value for character in TEMPLATE_CHARACTERS):
+        raise ValueError(f"--chat-template {value!r} looks like a file path, but no such file exists")
+    return value
 
 
 def server_config_from(args: argparse.Namespace, model_name: str):
@@ -170,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine_args = engine_args_from(args)
-    except ValueError as error:
+        template_text(args.chat_template)
+    except (ValueError, OSError) as error:
         logger.error("%s", error)
         return 2
     if args.data_parallel_size > 1:
@@ -179,7 +209,11 @@ def run(args: argparse.Namespace) -> int:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         return serve_replicas(args, parser)
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    try:
+        engine = AsyncLLMEngine.from_engine_args(engine_args)
+    except (ValueError, OSError) as error:  # a model that is not there, a KV budget that holds no block, ...
+        logger.error("the engine could not start: %s", error, exc_info=logger.isEnabledFor(logging.DEBUG))
+        return 1
     config = server_config_from(args, engine.model_info.name)
     logger.info("serving %s on http://%s:%d (API keys: %d, max queue: %s, shutdown timeout: %gs)",
                 config.served_model_names, args.host, args.port, len(config.api_keys), config.max_queue,

@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from pagedrag.entrypoints.async_engine import AsyncLLMEngine
 from pagedrag.deltas import ChoiceCursor, ChoiceDelta
-from pagedrag.engine.inputs import ProcessedPrompt
+from pagedrag.engine.inputs import ProcessedPrompt, check_cache_salt
 from pagedrag.kv_tiers.store import tier_hits
 from pagedrag.outputs import RequestOutput
 from pagedrag.sampling_params import SamplingParams
@@ -227,6 +227,12 @@ class Serving:
             raise APIError(400, str(error), param=request.prompt_field) from error
 
     def cache_salt(self, http_request: Request, request: SamplingRequest) -> str | None:
+        """The request's cache_salt (400 naming it if bad), joined with its API key's under
+        --salt-by-api-key."""
+        try:
+            check_cache_salt(request.cache_salt)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), param="cache_salt") from error
         if not self.config.salt_by_api_key:
             return request.cache_salt
         return tenant_cache_salt(bearer_token(http_request.headers), request.cache_salt)
@@ -285,6 +291,9 @@ class Serving:
         limit = self.config.max_queue
         if self.engine.dead_reason is not None:
             raise engine_dead(self.engine.dead_reason)
+        if limit is not None and num_sequences > limit:  # a retry could never succeed
+            raise APIError(400, f"the request asks for {num_sequences} sequences (n completions of each prompt or "
+                                f"conversation), more than the server's limit of {limit} in flight (--max-queue)")
         if limit is not None and self.engine.num_in_flight + num_sequences > limit:
             raise APIError(503, f"the server is at its limit of {limit} sequences in flight "
                                 "(--max-queue); retry later", code="queue_full")

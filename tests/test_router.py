@@ -263,7 +263,7 @@ def router(tmp_path_factory):
         raise AssertionError(f"the router did not come up: {log.read_text()}")
     yield url, process
     process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)
+    assert process.wait(timeout=60) == 0, log.read_text()[-2000:]  # drained: the replicas first, then it
 
 
 def _ask(url: str, question: str, stream: bool = False) -> httpx.Response:

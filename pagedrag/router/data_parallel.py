@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
@@ -47,6 +48,7 @@ from pagedrag.router.proxy_headers import forwarded_headers
 from pagedrag.router.warm_fanout import WARM_PATH, warm_every_replica
 from pagedrag.server.background import free_port
 from pagedrag.server.errors import APIError
+from pagedrag.server.shutdown import ABORT_DRAIN_S, SignalledServer
 
 logger = logging.getLogger("pagedrag")
 
@@ -55,6 +57,7 @@ HEALTH_EVERY_S = 5.0
 HEALTH_TIMEOUT_S = 5.0
 HEALTH_MISSES = 2
 FIGURES_TIMEOUT_S = 10.0  # a replica's /metrics or /v1/stats, else left out of the sums
+ROUTER_DRAIN_S = 5.0  # on top of the replicas' own bound: their last bytes reach the clients
 
 
 @dataclass
@@ -68,6 +71,7 @@ class LocalReplica:
     up: bool = False
     ever_up: bool = False  # came up at least once (else an exit means it cannot start)
     missed_checks: int = 0
+    stopping: bool = False  # sent SIGTERM
     in_flight: int = 0
     restarts: int = 0
 
@@ -77,7 +81,7 @@ class LocalReplica:
 
     def start(self) -> None:
         self.port = free_port()
-        self.up, self.missed_checks, self.in_flight = False, 0, 0
+        self.up, self.missed_checks, self.in_flight, self.stopping = False, 0, 0, False
         command = [sys.executable, "-m", "pagedrag", "serve", *self.argv, "--host", "127.0.0.1",
                    "--port", str(self.port)]
         self.process = subprocess.Popen(command)
@@ -86,12 +90,19 @@ class LocalReplica:
         return self.process is None or self.process.poll() is not None
 
     def stop(self) -> None:
+        self.signal_stop()
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+    def signal_stop(self) -> None:
+        """SIGTERM, once (a second would make the replica exit at once, skipping its cleanup): the
+        replica drains its requests within its --shutdown-timeout, then exits."""
+        if self.process is not None and self.process.poll() is None and not self.stopping:
+            self.stopping = True
+            self.process.terminate()
 
 
 @dataclass
@@ -355,8 +366,6 @@ ROUTER_DESTS = {"data_parallel_size", "router_policy", "router_cache_threshold",
 def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run ``args.data_parallel_size`` replicas of `pagedrag serve` (``args`` minus the router's
     own flags) behind the router on --host/--port, until SIGTERM or Ctrl-C."""
-    import uvicorn
-
     from pagedrag.server.cli import template_text
 
     chooser = ReplicaChooser(args.router_policy, AffinityThresholds(
@@ -367,8 +376,26 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     replicas = Replicas([LocalReplica(str(index), argv) for index in range(args.data_parallel_size)], chooser, blocks)
     logger.info("routing (%s) over %d replicas of `pagedrag serve %s` on http://%s:%d", args.router_policy,
                 args.data_parallel_size, " ".join(argv), args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(build_router_app(replicas), host=args.host, port=args.port,
-                                           log_level=args.log_level))
+    server = RouterServer(build_router_app(replicas), replicas, args.shutdown_timeout, host=args.host,
+                          port=args.port, log_level=args.log_level)
     replicas.on_failure = lambda: setattr(server, "should_exit", True)
     server.run()
     return 1 if replicas.failure else 0
+
+
+class RouterServer(SignalledServer):
+    """The router's server: on the first SIGTERM or SIGINT every replica is told to stop at once,
+    so each drains its requests within the --shutdown-timeout it was given and then ends them
+    (finish_reason "abort"), and the router's own wait for its connections ends with theirs;
+    the router then exits 0. A second signal exits at once."""
+
+    def __init__(self, app, replicas: Replicas, grace: float, **config):
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace + ABORT_DRAIN_S + ROUTER_DRAIN_S,
+                                        **config))
+        self.replicas = replicas
+
+    async def shutdown(self, sockets=None) -> None:
+        for replica in self.replicas.replicas:
+            replica.signal_stop()
+        await super().shutdown(sockets)
+

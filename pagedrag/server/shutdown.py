@@ -38,28 +38,11 @@ ABORT_DRAIN_S = 5.0
 ABORT_REPEAT_S = 0.5
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose graceful shutdown is bounded by ``grace`` seconds.
-
-    Invariants:
-    - From the first signal on, no new connection is accepted (uvicorn closes the
-      listening sockets before waiting).
-    - ``grace`` seconds after shutdown begins, every engine request still in flight is
-      aborted with finish_reason "abort"; uvicorn cancels whatever is left only
-      ABORT_DRAIN_S later, so shutdown() returns within ``grace + ABORT_DRAIN_S`` (plus
-      uvicorn's own 0.1 s pause).
-    - A signal after the first one ends the process at once (os._exit), whatever is
-      still running.
-    - A shutdown begun by a signal is not turned back into that signal afterwards
-      (uvicorn re-raises SIGTERM, which would end the process with -15 instead of 0).
-    """
-
-    def __init__(self, app, engine: AsyncLLMEngine, grace: float, **config):
-        if grace < 0:
-            raise ValueError(f"the grace period must be >= 0 seconds, not {grace}")
-        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace + ABORT_DRAIN_S, **config))
-        self.engine = engine
-        self.grace = grace
+class SignalledServer(uvicorn.Server):
+    """uvicorn.Server whose shutdown on SIGTERM or SIGINT exits 0: the first signal begins the
+    graceful shutdown, a second one exits at once, and a shutdown begun by a signal is not
+    turned back into that signal afterwards (uvicorn re-raises SIGTERM, which would end the
+    process with -15 instead of 0)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -94,6 +77,45 @@ class DrainingServer(uvicorn.Server):
             self._exit_now(sig)
         self.should_exit = True
 
+    def abandoned(self) -> str:
+        """What a signal that exits now abandons, for its log line."""
+        return f"{len(self.server_state.tasks)} HTTP requests in flight"
+
+    def _exit_now(self, sig: int) -> None:
+        """End the process at once, skipping every cleanup (it is what was asked for).
+
+        The exit status is 128 + the signal's number, as a shell reports a process
+        killed by that signal: the requests in flight did not end cleanly.
+        """
+        logger.warning("%s received while shutting down: exiting now, abandoning %s", signal.Signals(sig).name,
+                       self.abandoned())
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(128 + sig)
+
+
+class DrainingServer(SignalledServer):
+    """uvicorn.Server whose graceful shutdown is bounded by ``grace`` seconds.
+
+    Invariants:
+    - From the first signal on, no new connection is accepted (uvicorn closes the
+      listening sockets before waiting).
+    - ``grace`` seconds after shutdown begins, every engine request still in flight is
+      aborted with finish_reason "abort"; uvicorn cancels whatever is left only
+      ABORT_DRAIN_S later, so shutdown() returns within ``grace + ABORT_DRAIN_S`` (plus
+      uvicorn's own 0.1 s pause).
+    - A signal after the first one ends the process at once (os._exit), whatever is
+      still running; a shutdown begun by a signal exits 0 (SignalledServer).
+    """
+
+    def __init__(self, app, engine: AsyncLLMEngine, grace: float, **config):
+        if grace < 0:
+            raise ValueError(f"the grace period must be >= 0 seconds, not {grace}")
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace + ABORT_DRAIN_S, **config))
+        self.engine = engine
+        self.grace = grace
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's shutdown (stop listening, wait for connections), with the requests
         still in flight after the grace period aborted."""
@@ -123,15 +145,5 @@ class DrainingServer(uvicorn.Server):
                 return
             await asyncio.sleep(ABORT_REPEAT_S)
 
-    def _exit_now(self, sig: int) -> None:
-        """End the process at once, skipping every cleanup (it is what was asked for).
-
-        The exit status is 128 + the signal's number, as a shell reports a process
-        killed by that signal: the requests in flight did not end cleanly.
-        """
-        logger.warning("%s received while shutting down: exiting now, abandoning %d engine requests "
-                       "in flight", signal.Signals(sig).name, self.engine.num_in_flight)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(128 + sig)
+    def abandoned(self) -> str:
+        return f"{self.engine.num_in_flight} engine requests in flight"

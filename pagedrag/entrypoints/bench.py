@@ -9,6 +9,7 @@ documents, so a warm prefix cache has something to hit.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import time
@@ -19,6 +20,7 @@ from pagedrag.rag.corpus import DocChunk, stdlib_chunks
 SYSTEM_PROMPT = ("You are a helpful assistant for Python programmers. Answer the question using "
                  "only the documentation excerpts given below, quoting names exactly. If the "
                  "excerpts do not contain the answer, say that you do not know.")
+MAX_DRAWS = 2000  # chunk sets tried for prompts of the wanted length before giving up
 QUESTIONS = ("What does {name} do?", "When should I use {name}?", "Which arguments does {name} take?",
              "What does {name} return?", "Give an example of calling {name}.",
              "What errors can {name} raise?")
@@ -52,7 +54,12 @@ def rag_requests(num_requests: int, num_chunk_sets: int = 8, seed: int = 0, pool
     rng = random.Random(seed)
     pool = chunk_pool(pool_size, seed)
     sets: list[tuple[DocChunk, ...]] = []
-    while len(sets) < num_chunk_sets:
+    for draws in itertools.count():
+        if len(sets) == num_chunk_sets:
+            break
+        if draws == MAX_DRAWS:
+            raise ValueError(f"only {len(sets)} of {MAX_DRAWS} chunk sets made prompts of {prompt_tokens[0]}-"
+                             f"{prompt_tokens[1]} tokens with this tokenizer; {num_chunk_sets} are needed")
         chunks = tuple(rng.sample(pool, rng.randint(3, 5)))
         if tokenizer is None or _prompt_length(tokenizer, chunks) in range(*prompt_tokens):
             sets.append(chunks)
@@ -76,10 +83,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pagedrag.server.cli import positive_int
+
     parser.add_argument("--model", default=None, help="model folder or name (default: embedded SmolLM2)")
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--num-requests", type=positive_int, default=16)
+    parser.add_argument("--max-tokens", type=positive_int, default=32)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=8)
     parser.add_argument("--no-prefix-caching", action="store_true")
 
 

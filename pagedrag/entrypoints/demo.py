@@ -48,8 +48,10 @@ def retrieved(sources: list[str]) -> list[dict]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pagedrag.server.cli import positive_int
+
     parser.add_argument("--model", default=None, help="model folder or name (default: embedded SmolLM2)")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=positive_int, default=48)
     parser.add_argument("--no-prefix-caching", action="store_true")
 
 

@@ -42,11 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several keys")
     server.add_argument("--salt-by-api-key", action="store_true",
                         help="give each API key its own prefix-cache salt (tenants never share blocks)")
-    server.add_argument("--max-queue", type=_positive_int, default=None,
+    server.add_argument("--max-queue", type=positive_int, default=None,
                         help="answer 503 once this many requests are in flight (waiting + running)")
     server.add_argument("--served-model-name", nargs="+", default=None, dest="served_model_names",
                         metavar="NAME", help="model name(s) clients use (default: the model's own name)")
-    server.add_argument("--max-request-bytes", type=_positive_int, default=MAX_REQUEST_BYTES, metavar="N",
+    server.add_argument("--max-request-bytes", type=positive_int, default=MAX_REQUEST_BYTES, metavar="N",
                         help="answer 413 to request bodies larger than N bytes, before parsing them "
                              "(default: %(default)s, 4 MiB)")
     server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="uvicorn's log level (pagedrag's own: PAGEDRAG_LOG_LEVEL)")
     router = parser.add_argument_group("data parallel (pagedrag.router)")
-    router.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
+    router.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
                         help="run N engine replicas (each a `pagedrag serve` process with the flags above) "
                              "behind one endpoint that routes by prefix-cache affinity (default: %(default)s)")
     router.add_argument("--router-policy", default="prefix_affinity", choices=POLICIES,
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "than N (default: %(default)s)")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, not {value}")

@@ -161,6 +161,9 @@ def test_merged_metrics_label_each_replica_and_sum_them():
         registry = CollectorRegistry()
         Counter("pagedrag:prompt_tokens", "Prompt tokens.", ["model_name"], registry=registry).labels("m").inc(tokens)
         Gauge("pagedrag:kv_cache_usage_perc", "Usage.", ["model_name"], registry=registry).labels("m").set(usage)
+        capacity = Gauge("pagedrag:kv_tier_capacity_bytes", "Capacity.", ["tier"], registry=registry)
+        capacity.labels("disk").set(1 << 30)  # one directory, shared: not the replicas' to add
+        capacity.labels("host").set(tokens)  # each replica's own host memory: added
         return generate_latest(registry).decode()
 
     merged = {family.name: {tuple(sorted(s.labels.items())): s.value for s in family.samples}
@@ -168,6 +171,8 @@ def test_merged_metrics_label_each_replica_and_sum_them():
     tokens = merged["pagedrag:prompt_tokens"]
     assert tokens[(("model_name", "m"), ("replica", "0"))] == 3 and tokens[(("model_name", "m"),)] == 8
     assert merged["pagedrag:kv_cache_usage_perc"][(("model_name", "m"),)] == pytest.approx(0.4)
+    assert merged["pagedrag:kv_tier_capacity_bytes"][(("tier", "disk"),)] == 1 << 30
+    assert merged["pagedrag:kv_tier_capacity_bytes"][(("tier", "host"),)] == 8
 
 
 def test_replica_command_line_keeps_every_flag_but_the_routers():

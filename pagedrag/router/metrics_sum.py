@@ -1,8 +1,10 @@
 """One /metrics and one /v1/stats for several replicas.
 
 /metrics: each replica's series with a ``replica`` label, and the sum over replicas without
-it (the mean for the usage fractions, ``*_perc``), so that a dashboard built for one engine
-reads the whole deployment unchanged. Creation-time series (``*_created``) are left out.
+it (the mean for the usage fractions, ``*_perc``; the largest for a gauge of the disk tier,
+one directory that the replicas share, so its use and capacity are not theirs to add), so that
+a dashboard built for one engine reads the whole deployment unchanged. Creation-time series
+(``*_created``) are left out.
 /v1/stats: the counts summed, fractions averaged, the hit rate recomputed from the sums,
 settings (block size, max_model_len, device) as the first replica has them; each replica's
 own under ``replicas``. The same sums (``sum_fields``) make one /v1/warm answer of the
@@ -16,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 _MEAN_SUFFIX = "_perc"  # fractions: averaged, not summed
+_SHARED_LABEL = ("tier", "disk")  # gauges of the one directory the replicas share: the largest, not summed
 _SETTINGS = {"block_size", "max_model_len", "device"}
 
 
@@ -39,9 +42,16 @@ def merge_metrics(texts: Mapping[str, str]) -> str:
         out.append(f"# TYPE {name} {kind}")
         out.extend(lines)
         for (sample_name, labels), values in totals[name].items():
-            value = sum(values) / len(values) if name.endswith(_MEAN_SUFFIX) else sum(values)
-            out.append(_line(sample_name, dict(labels), value))
+            out.append(_line(sample_name, dict(labels), _total(name, kind, labels, values)))
     return "\n".join(out) + "\n"
+
+
+def _total(name: str, kind: str, labels: tuple, values: list[float]) -> float:
+    if name.endswith(_MEAN_SUFFIX):
+        return sum(values) / len(values)
+    if kind == "gauge" and _SHARED_LABEL in labels:
+        return max(values)
+    return sum(values)
 
 
 def _line(name: str, labels: Mapping[str, str], value: float) -> str:

@@ -43,7 +43,15 @@ def _check_mapping(name: str, value: object) -> dict:
     return value
 
 
-_TYPE_CHECKS = {"bool": check_bool, "int": check_int, "float": check_float, "str": _check_text,
+def _check_whole(name: str, value: object) -> int:
+    """An int; a float with no fraction (2e9 from a YAML or JSON config) is one too, as pydantic
+    reads it for vLLM's arguments; 2.5 is not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return check_int(name, value)
+
+
+_TYPE_CHECKS = {"bool": check_bool, "int": _check_whole, "float": check_float, "str": _check_text,
                 "dict": _check_mapping}
 
 

@@ -102,8 +102,10 @@ def test_invalid_engine_args(kwargs, message):
 
 
 def test_engine_args_take_paths_numpy_numbers_and_no_seed():
-    args = EngineArgs(model=Path("/models/x"), max_model_len=np.int64(128), gpu_memory_utilization=1, seed=None)
+    args = EngineArgs(model=Path("/models/x"), max_model_len=np.int64(128), gpu_memory_utilization=1, seed=None,
+                      kv_cache_memory_bytes=2e9)  # a whole float, as YAML and JSON configs write it
     assert (args.model, type(args.max_model_len), args.gpu_memory_utilization) == ("/models/x", int, 1.0)
+    assert args.kv_cache_memory_bytes == 2_000_000_000 and type(args.kv_cache_memory_bytes) is int
     assert isinstance(args.seed, int)  # None: a random seed, as vLLM (kept, so every rank shares it)
 
 

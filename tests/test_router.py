@@ -113,6 +113,20 @@ def test_a_replica_that_cannot_start_stops_the_router_instead_of_restarting_fore
     assert replica.restarts == 0
 
 
+def test_a_replica_that_keeps_exiting_after_it_had_been_up_is_restarted_later_each_time(monkeypatch):
+    replica = LocalReplica("0", [], up=True, ever_up=True, process=_Running(returncode=1))
+    monkeypatch.setattr(replica, "start", lambda: replica.__dict__.update(restart_at=None, up=False))
+    replicas = Replicas([replica], ReplicaChooser(), blocks=None)
+    replicas._restart(replica)  # it had been up since its start: at once
+    assert (replica.restarts, replica.failed_starts) == (1, 0)
+    for failed_starts in (1, 2, 3):  # each exit before coming up again doubles the wait
+        replicas._restart(replica)
+        assert replica.restarts == failed_starts and replica.failed_starts == failed_starts
+        assert replica.restart_at - time.monotonic() == pytest.approx(2.0 ** failed_starts, abs=0.5)
+        replica.restart_at = time.monotonic()  # (the wait is over)
+        replicas._restart(replica)
+
+
 @pytest.mark.parametrize("flag, value", [("--max-queue", "0"), ("--router-cache-threshold", "nan"),
                                          ("--router-balance-abs-threshold", "-1"), ("--port", "99999")])
 def test_router_and_server_flags_out_of_range_are_refused_by_argparse(flag, value, capsys):

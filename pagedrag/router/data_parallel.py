@@ -11,9 +11,10 @@ Invariants:
 - POST /v1/warm is the exception: it goes to every replica up at once and is answered as one
   (router.warm_fanout).
 - A replica that dies is restarted (its estimated cache forgotten); while none is up,
-  requests wait for one up to ``REPLICA_WAIT_S`` and are then answered 503. A replica that
-  exits before it ever came up cannot start with these flags: the router stops (exit code 1)
-  rather than restart it forever.
+  requests wait for one up to ``REPLICA_WAIT_S`` and are then answered 503. One that exits
+  again before it came up waits twice as long each time before its next start (up to
+  ``RESTART_DELAY_MAX_S``). A replica that exits before it ever came up cannot start with
+  these flags: the router stops (exit code 1) rather than restart it forever.
 - A replica up is asked for /health every ``HEALTH_EVERY_S``; one that misses
   ``HEALTH_MISSES`` answers in a row (hung, stopped) gets no new requests until it answers.
 - A replica that answers 503 queue_full (its --max-queue) passes the request to another.
@@ -58,6 +59,7 @@ HEALTH_TIMEOUT_S = 5.0
 HEALTH_MISSES = 2
 FIGURES_TIMEOUT_S = 10.0  # a replica's /metrics or /v1/stats, else left out of the sums
 ROUTER_DRAIN_S = 5.0  # on top of the replicas' own bound: their last bytes reach the clients
+RESTART_DELAY_MAX_S = 60.0
 
 
 @dataclass
@@ -71,6 +73,8 @@ class LocalReplica:
     up: bool = False
     ever_up: bool = False  # came up at least once (else an exit means it cannot start)
     missed_checks: int = 0
+    failed_starts: int = 0  # exits in a row before it came up (once it had been up)
+    restart_at: float | None = None  # when an exited replica starts again (monotonic time)
     stopping: bool = False  # sent SIGTERM
     in_flight: int = 0
     restarts: int = 0
@@ -81,7 +85,7 @@ class LocalReplica:
 
     def start(self) -> None:
         self.port = free_port()
-        self.up, self.missed_checks, self.in_flight, self.stopping = False, 0, 0, False
+        self.up, self.missed_checks, self.in_flight, self.stopping, self.restart_at = False, 0, 0, False, None
         command = [sys.executable, "-m", "pagedrag", "serve", *self.argv, "--host", "127.0.0.1",
                    "--port", str(self.port)]
         self.process = subprocess.Popen(command)
@@ -138,17 +142,26 @@ class Replicas:
             await asyncio.sleep(0.5)
 
     def _restart(self, replica: LocalReplica) -> None:
+        """Start an exited replica again: at once, or after a delay doubling with each exit in a
+        row before it came up (up to RESTART_DELAY_MAX_S). One that never came up since the router
+        started cannot start with these flags: ``on_failure``."""
         code = replica.process.returncode
         if not replica.ever_up:
             self.failure = f"replica {replica.name} exited (code {code}) before it came up: see its log above"
             logger.error("%s; stopping", self.failure)
             self.on_failure()
             return
-        logger.warning("replica %s exited (code %s); restarting it", replica.name, code)
-        self.chooser.forget(replica.name)
-        replica.restarts += 1
-        replica.ever_up = False
-        replica.start()
+        now = time.monotonic()
+        if replica.restart_at is None:  # its exit, first seen
+            replica.failed_starts = 0 if replica.up else replica.failed_starts + 1
+            delay = min(RESTART_DELAY_MAX_S, 2.0 ** replica.failed_starts) if replica.failed_starts else 0.0
+            replica.restart_at = now + delay
+            logger.warning("replica %s exited (code %s); restarting it%s", replica.name, code,
+                           f" in {delay:g} s" if delay else "")
+        if now >= replica.restart_at:
+            self.chooser.forget(replica.name)
+            replica.restarts += 1
+            replica.start()
 
     async def _check(self, replica: LocalReplica) -> None:
         """One health check of a replica up; HEALTH_MISSES in a row take it out of routing."""

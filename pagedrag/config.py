@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -64,10 +63,15 @@ def _typed(name: str, annotation: str, value: object) -> object:
     kinds = annotation.replace(" ", "").split("|")
     if value is None and "None" in kinds:
         return None
-    try:
-        return _TYPE_CHECKS[kinds[0]](name, value)
-    except TypeError as error:
-        raise ValueError(str(error)) from None
+    errors = []
+    for kind in kinds:
+        if kind == "None":
+            continue
+        try:
+            return _TYPE_CHECKS[kind](name, value)
+        except TypeError as error:
+            errors.append(error)
+    raise ValueError(str(errors[-1])) from None
 
 
 @dataclass
@@ -85,8 +89,9 @@ class EngineArgs:
     tokenizer: str | None = _arg(None, "a tokenizer other than the model's own: a folder or hub name")
     revision: str | None = _arg(None, "the hub revision (branch, tag or commit) of the model; default: main")
     download_dir: str | None = _arg(None, "where hub downloads go (a Hugging Face cache folder); default: HF_HOME's")
-    hf_token: str | None = field(default=None, repr=False, metadata={  # a secret: never in a repr or log
-        "help": "token for private or gated hub models; default: HF_TOKEN or the saved login"})
+    hf_token: bool | str | None = field(default=None, repr=False, metadata={  # a secret: never in a repr or log
+        "help": "token for private or gated hub models (True: the saved login, as vLLM); default: HF_TOKEN "
+                "or the saved login"})
     trust_remote_code: bool = _arg(False, "let the checkpoint's own Python code run when its config or "
                                           "tokenizer needs it (the model itself must be of the Llama family)")
     dtype: str = _arg("auto", "weights and KV cache dtype: auto (bfloat16 on CUDA, float32 on CPU), "
@@ -155,8 +160,6 @@ class EngineArgs:
             self.speculative_config = speculative_json(self.speculative_config)
         for arg in fields(self):
             setattr(self, arg.name, _typed(arg.name, arg.type, getattr(self, arg.name)))
-        if self.seed is None:  # as vLLM: no seed, a random one (kept here, so every rank shares it)
-            self.seed = secrets.randbits(63)
         self._validate()
 
     def _validate(self) -> None:

@@ -101,12 +101,14 @@ def test_invalid_engine_args(kwargs, message):
         EngineArgs(**kwargs)
 
 
-def test_engine_args_take_paths_numpy_numbers_and_no_seed():
+def test_engine_args_take_paths_numpy_numbers_and_no_seed(path):
     args = EngineArgs(model=Path("/models/x"), max_model_len=np.int64(128), gpu_memory_utilization=1, seed=None,
-                      kv_cache_memory_bytes=2e9)  # a whole float, as YAML and JSON configs write it
+                      kv_cache_memory_bytes=2e9, hf_token=True)  # a whole float, as YAML and JSON configs write it
     assert (args.model, type(args.max_model_len), args.gpu_memory_utilization) == ("/models/x", int, 1.0)
     assert args.kv_cache_memory_bytes == 2_000_000_000 and type(args.kv_cache_memory_bytes) is int
-    assert isinstance(args.seed, int)  # None: a random seed, as vLLM (kept, so every rank shares it)
+    assert args.seed is None and args.hf_token is True  # (vLLM's: True is the saved login)
+    engine = LLM(path, max_model_len=64, seed=None).llm_engine  # a random seed, drawn for every rank at once
+    assert isinstance(engine.args.seed, int)
 
 
 def test_bad_prompts_fail_before_work_and_others_keep_running(llm):

@@ -113,6 +113,23 @@ def test_a_replica_that_cannot_start_stops_the_router_instead_of_restarting_fore
     assert replica.restarts == 0
 
 
+def test_replicas_told_to_stop_are_never_restarted_nor_counted_as_failures():
+    """While the router shuts down, a replica it told to stop exits: that is neither a replica
+    to restart nor one that could not start (which would make the router exit 1)."""
+    replica = LocalReplica("0", [], process=_Running(returncode=0), stopping=True)
+    starts = []
+    replica.start = lambda: starts.append(True)  # supervise() starts every replica once, first
+    replicas = Replicas([replica], ReplicaChooser(), blocks=None, on_failure=lambda: pytest.fail("a failure"))
+
+    async def briefly():
+        supervising = asyncio.ensure_future(replicas.supervise())
+        await asyncio.sleep(1.2)
+        supervising.cancel()
+
+    asyncio.run(briefly())
+    assert starts == [True] and replicas.failure is None and replica.restarts == 0
+
+
 def test_a_replica_that_keeps_exiting_after_it_had_been_up_is_restarted_later_each_time(monkeypatch):
     replica = LocalReplica("0", [], up=True, ever_up=True, process=_Running(returncode=1))
     monkeypatch.setattr(replica, "start", lambda: replica.__dict__.update(restart_at=None, up=False))

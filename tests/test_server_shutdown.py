@@ -25,7 +25,7 @@ import pytest
 from pagedrag.server import cli
 from pagedrag.server.background import free_port
 from pagedrag.server.serving import ServerConfig
-from pagedrag.server.shutdown import ABORT_DRAIN_S, ABORT_REASON, DrainingServer
+from pagedrag.server.shutdown import ABORT_DRAIN_S, ABORT_REASON, SAME_SIGNAL_S, DrainingServer
 
 # 64 blocks of 16 tokens: two sequences of 512 fit, and on CPU a long one takes far longer
 # than the grace periods below (tokens come at tens per second)
@@ -200,6 +200,7 @@ def test_second_sigterm_exits_at_once(servers):
     serve.process.send_signal(signal.SIGTERM)
     assert _refused(serve.url), "the first SIGTERM did not start the shutdown"
     assert serve.process.poll() is None, "the first SIGTERM must drain, not exit"
+    time.sleep(SAME_SIGNAL_S)  # (sooner, it is the same stop sent twice)
     status, elapsed = serve.signal_and_time_exit(signal.SIGTERM, timeout=20)
     assert elapsed < 10.0, elapsed  # at once, where the drain would wait 30 s
     assert status == 128 + signal.SIGTERM, serve.output()
@@ -276,6 +277,9 @@ def test_a_second_signal_exits_at_once(monkeypatch):
     server = DrainingServer(_app(engine), engine, 30.0)
     server.handle_exit(signal.SIGTERM, None)
     assert server.should_exit and exits == []
+    server.handle_exit(signal.SIGTERM, None)  # within SAME_SIGNAL_S: the same stop, sent twice
+    assert exits == []
+    server._signalled_at -= SAME_SIGNAL_S
     server.handle_exit(signal.SIGINT, None)
     assert exits == [128 + signal.SIGINT]
 

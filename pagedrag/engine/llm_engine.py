@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+import dataclasses
 import functools
 from concurrent.futures import Future
 import itertools
 import logging
+import secrets
 import time
 import weakref
 
@@ -48,6 +50,8 @@ class LLMEngine:
     """The synchronous engine. Not thread-safe: one thread calls add/abort/step."""
 
     def __init__(self, args: EngineArgs):
+        if args.seed is None:  # as vLLM: a random seed, drawn before the ranks start so that all share it
+            args = dataclasses.replace(args, seed=secrets.randbits(63))
         self.args = args
         self.tiers = None  # built once the device side is (shutdown() may run before)
         self.ranks = start_ranks(args)  # one rank, or rank 0 of a tensor-parallel group

@@ -88,7 +88,9 @@ class LocalReplica:
         self.up, self.missed_checks, self.in_flight, self.stopping, self.restart_at = False, 0, 0, False, None
         command = [sys.executable, "-m", "pagedrag", "serve", *self.argv, "--host", "127.0.0.1",
                    "--port", str(self.port)]
-        self.process = subprocess.Popen(command)
+        # A session of its own: a terminal's Ctrl-C reaches the router alone, which then tells each
+        # replica once (a second signal would make a replica exit at once, abandoning its requests)
+        self.process = subprocess.Popen(command, start_new_session=True)
 
     def exited(self) -> bool:
         return self.process is None or self.process.poll() is not None
@@ -100,6 +102,10 @@ class LocalReplica:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+    def release(self) -> None:
+        """A request sent to this replica is over (the count restarts from 0 with the process)."""
+        self.in_flight = max(0, self.in_flight - 1)
 
     def signal_stop(self) -> None:
         """SIGTERM, once (a second would make the replica exit at once, skipping its cleanup): the
@@ -131,6 +137,8 @@ class Replicas:
         last_check = time.monotonic()
         while self.failure is None:
             for replica in self.replicas:
+                if replica.stopping:  # told to stop (the router is shutting down): never restarted
+                    continue
                 if replica.exited() and replica.process is not None:
                     self._restart(replica)
                 elif not replica.up and await self._healthy(replica, 2.0):
@@ -154,7 +162,7 @@ class Replicas:
         now = time.monotonic()
         if replica.restart_at is None:  # its exit, first seen
             replica.failed_starts = 0 if replica.up else replica.failed_starts + 1
-            delay = min(RESTART_DELAY_MAX_S, 2.0 ** replica.failed_starts) if replica.failed_starts else 0.0
+            delay = min(RESTART_DELAY_MAX_S, 2.0 ** min(replica.failed_starts, 16)) if replica.failed_starts else 0.0
             replica.restart_at = now + delay
             logger.warning("replica %s exited (code %s); restarting it%s", replica.name, code,
                            f" in {delay:g} s" if delay else "")
@@ -267,14 +275,13 @@ async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[
     tried: set[str] = set()
     for _ in range(2 * len(replicas.replicas) + 1):  # each replica twice: a restarted one may take it
         replica = await replicas.pick(hashes, tried)
-        replicas.chooser.record(replica.name, hashes)
         replica.in_flight += 1
         upstream = replicas.client.build_request(request.method, replica.url + request.url.path,
                                                  params=request.query_params, content=body, headers=headers)
         try:
             reply = await _Reply.open(replicas.client, upstream)
         except httpx.HTTPError as error:
-            replica.in_flight -= 1
+            replica.release()
             tried.add(replica.name)
             logger.warning("replica %s failed (%s); sending the request to another", replica.name, error)
             continue
@@ -282,6 +289,7 @@ async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[
             await reply.discard(replica)
             tried.add(replica.name)
             continue
+        replicas.chooser.record(replica.name, hashes)  # it holds the prompt's blocks now (or soon)
         return reply.response(replica)
     raise APIError(503, "every engine replica failed to answer this request", code="service_unavailable")
 
@@ -314,7 +322,7 @@ class _Reply:
         return self.first is None and self.upstream.status_code == 503 and b'"queue_full"' in self.upstream.content
 
     async def discard(self, replica: LocalReplica) -> None:
-        replica.in_flight = max(0, replica.in_flight - 1)  # (a restart counts from 0 again)
+        replica.release()
         await self.upstream.aclose()
 
     def response(self, replica: LocalReplica) -> Response:

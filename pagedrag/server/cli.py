@@ -137,10 +137,11 @@ def _json_value(text: str):
 
 
 def _base_type(hint) -> type:
-    """int for ``int | None``; the hint itself for a plain type."""
+    """int for ``int | None``; str for a union that holds it (``bool | str | None``: a command
+    line gives text); the hint itself for a plain type."""
     if isinstance(hint, types.UnionType):
-        (kind,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        return kind
+        kinds = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return str if str in kinds else kinds[0]
     return hint
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 
@@ -36,6 +38,9 @@ ABORT_DRAIN_S = 5.0
 # abort_all runs again this often until uvicorn is done: a request whose body was still
 # arriving when it first ran reaches the engine afterwards and must be ended too.
 ABORT_REPEAT_S = 0.5
+# A second signal this soon after the first is the same stop, sent twice (a service manager
+# signals a whole process group, and the router signals its replicas too): not "exit now".
+SAME_SIGNAL_S = 1.0
 
 
 class SignalledServer(uvicorn.Server):
@@ -62,19 +67,25 @@ class SignalledServer(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    _signalled_at = -math.inf  # when the first signal came (monotonic time)
+
     @contextlib.contextmanager
     def exiting(self) -> Iterator[None]:
         """For the caller's teardown after serving (stopping the engine): any SIGINT or
         SIGTERM inside the block exits at once, as a second signal does while draining."""
         self.should_exit = True
+        self._signalled_at = -math.inf
         with self.capture_signals():
             yield
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """First signal: begin the graceful shutdown (uvicorn's main loop sees should_exit
-        within 0.1 s). Any later one: exit now."""
-        if self.should_exit:
+        within 0.1 s). A later one: exit now, unless it came within SAME_SIGNAL_S of the first
+        (one stop sent twice: by a service manager to the whole group, and by a parent router)."""
+        if self.should_exit and time.monotonic() - self._signalled_at > SAME_SIGNAL_S:
             self._exit_now(sig)
+        if not self.should_exit:
+            self._signalled_at = time.monotonic()
         self.should_exit = True
 
     def abandoned(self) -> str:

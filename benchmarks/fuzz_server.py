@@ -238,6 +238,8 @@ HOSTILE_CASES = (
     # what today's openai SDK can send that this server cannot honour: refused by name, not dropped
     HostileCase("modalities=audio", CHAT, _chat(modalities=["text", "audio"], audio={"voice": "alloy"}), BAD),
     HostileCase("web_search_options", CHAT, _chat(web_search_options={}), BAD),
+    HostileCase("stream_options_without_stream", CHAT, _chat(stream_options={"include_usage": True}), BAD),
+    HostileCase("cache_salt=empty", COMPLETIONS, _hello(cache_salt=""), BAD),
     HostileCase("continuous_usage_stats", CHAT,
                 _chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}), BAD),
     HostileCase("message_function_call", CHAT, {"messages": [

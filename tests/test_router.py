@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedrag import LLM, SamplingParams
 from pagedrag.core.block_hash import extend_block_hashes
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
+from pagedrag.router import data_parallel
 from pagedrag.router.data_parallel import ROUTER_DESTS, LocalReplica, Replicas, _send, replica_argv
 from pagedrag.router.metrics_sum import merge_metrics
 from pagedrag.router.prompt_blocks import PromptBlocks
@@ -113,24 +114,29 @@ def test_a_replica_that_cannot_start_stops_the_router_instead_of_restarting_fore
     assert replica.restarts == 0
 
 
-def test_replicas_told_to_stop_are_never_restarted_nor_counted_as_failures():
+def test_replicas_told_to_stop_are_never_restarted_nor_counted_as_failures(monkeypatch):
     """While the router shuts down, a replica it told to stop exits: that is neither a replica
     to restart nor one that could not start (which would make the router exit 1)."""
     replica = LocalReplica("0", [], process=_Running(returncode=0), stopping=True)
     starts = []
     replica.start = lambda: starts.append(True)  # supervise() starts every replica once, first
     replicas = Replicas([replica], ReplicaChooser(), blocks=None, on_failure=lambda: pytest.fail("a failure"))
+    rounds = []
 
-    async def briefly():
-        supervising = asyncio.ensure_future(replicas.supervise())
-        await asyncio.sleep(1.2)
-        supervising.cancel()
+    async def end_of_round(_seconds):  # the supervisor's pause between rounds: three rounds, then stop
+        rounds.append(True)
+        if len(rounds) == 3:
+            raise asyncio.CancelledError
 
-    asyncio.run(briefly())
+    monkeypatch.setattr(data_parallel.asyncio, "sleep", end_of_round)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(replicas.supervise())
     assert starts == [True] and replicas.failure is None and replica.restarts == 0
 
 
 def test_a_replica_that_keeps_exiting_after_it_had_been_up_is_restarted_later_each_time(monkeypatch):
+    clock = [100.0]  # a clock of the test's own: the delays are read, not waited for
+    monkeypatch.setattr(data_parallel.time, "monotonic", lambda: clock[0])
     replica = LocalReplica("0", [], up=True, ever_up=True, process=_Running(returncode=1))
     monkeypatch.setattr(replica, "start", lambda: replica.__dict__.update(restart_at=None, up=False))
     replicas = Replicas([replica], ReplicaChooser(), blocks=None)
@@ -139,8 +145,8 @@ def test_a_replica_that_keeps_exiting_after_it_had_been_up_is_restarted_later_ea
     for failed_starts in (1, 2, 3):  # each exit before coming up again doubles the wait
         replicas._restart(replica)
         assert replica.restarts == failed_starts and replica.failed_starts == failed_starts
-        assert replica.restart_at - time.monotonic() == pytest.approx(2.0 ** failed_starts, abs=0.5)
-        replica.restart_at = time.monotonic()  # (the wait is over)
+        assert replica.restart_at - clock[0] == 2.0 ** failed_starts
+        clock[0] = replica.restart_at  # (the wait is over)
         replicas._restart(replica)
 
 

@@ -25,6 +25,7 @@ import pytest
 from pagedrag.server import cli
 from pagedrag.server.background import free_port
 from pagedrag.server.serving import ServerConfig
+from pagedrag.server import shutdown
 from pagedrag.server.shutdown import ABORT_DRAIN_S, ABORT_REASON, SAME_SIGNAL_S, DrainingServer
 
 # 64 blocks of 16 tokens: two sequences of 512 fit, and on CPU a long one takes far longer
@@ -273,13 +274,16 @@ def test_draining_server_aborts_after_the_grace_period():
 def test_a_second_signal_exits_at_once(monkeypatch):
     exits: list[int] = []
     monkeypatch.setattr(os, "_exit", exits.append)
+    clock = [100.0]  # a clock of the test's own
+    monkeypatch.setattr(shutdown.time, "monotonic", lambda: clock[0])
     engine = FakeEngine()
     server = DrainingServer(_app(engine), engine, 30.0)
     server.handle_exit(signal.SIGTERM, None)
     assert server.should_exit and exits == []
+    clock[0] += SAME_SIGNAL_S / 2
     server.handle_exit(signal.SIGTERM, None)  # within SAME_SIGNAL_S: the same stop, sent twice
     assert exits == []
-    server._signalled_at -= SAME_SIGNAL_S
+    clock[0] += SAME_SIGNAL_S
     server.handle_exit(signal.SIGINT, None)
     assert exits == [128 + signal.SIGINT]
 

@@ -61,6 +61,19 @@ def test_segments_without_chunk_reuse_are_the_whole_prompt(exact):
     assert all(o.num_chunk_hit_tokens == 0 for o in reference_outputs)
 
 
+def test_chunks_without_chunk_reuse_are_named_once(exact, caplog):
+    """Chunks given to an engine without chunk reuse change nothing, and the log says so once."""
+    llm, _ = exact
+    inputs = llm.llm_engine.inputs.copy()
+    chunk = stdlib_chunks(max_chars=400, limit=1)[0].text
+    with caplog.at_level("WARNING", logger="pagedrag.engine.inputs"):
+        plain = inputs.process(f"{SYSTEM}{chunk}\nQuestion?")
+        for _ in range(2):
+            assert inputs.process(f"{SYSTEM}{chunk}\nQuestion?", chunks=[chunk]) == plain
+        inputs.copy().render_chat([{"role": "user", "content": chunk}], chunks=[chunk])
+    assert [r.message.count("chunk reuse is off") for r in caplog.records] == [1]
+
+
 def test_reuse_counts_add_up_and_the_prefix_cache_stays_exact():
     llm = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_fraction=0.0, chunk_recompute_window=0)
     first, second = (c.text + "\n" for c in stdlib_chunks(max_chars=400, limit=2))

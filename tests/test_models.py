@@ -134,6 +134,13 @@ def test_loaded_model_metadata(tmp_path):
         load_model(str(path), dtype=torch.float32, device="cpu", max_model_len=10**6)
 
 
+def test_demo_and_bench_length_is_capped_at_the_models_limit(tmp_path):
+    """`pagedrag demo` / `bench` run at 2048 tokens, or at a shorter model's own limit."""
+    path = str(make_tiny_model(tmp_path, "qwen2"))  # max_position_embeddings 512
+    assert loader.capped_max_model_len(path, 2048) == 512
+    assert loader.capped_max_model_len(path, 256) == 256
+
+
 def test_dummy_weights_from_config_object():
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,

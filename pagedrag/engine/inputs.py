@@ -10,6 +10,8 @@ whatever passes cannot make a step fail.
 from __future__ import annotations
 
 import copy
+import logging
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +22,8 @@ from pagedrag.sampling_params import ParameterError, SamplingParams
 from pagedrag.structured.compiler import GrammarCompiler
 from pagedrag.tools import PARSERS, ToolPlan, parser_for, plan_tools, prepare_conversation, template_supports_tools
 from pagedrag.text_checks import check_int, check_utf8
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int] | Mapping
 Conversation = list[dict]
@@ -67,6 +71,7 @@ class InputProcessor:
         self.max_num_seqs = max_num_seqs
         self.max_prompt_chars = max_model_len * CHARS_PER_TOKEN_SAFETY * _longest_token_chars(tokenizer)
         self.segment_prompts = False  # chunk reuse: cut text prompts and chats into segments (engine.segments)
+        self._told_chunks_unused = threading.Event()  # shared by copies: the warning is logged once
 
     def copy(self) -> "InputProcessor":
         """An independent processor for another thread (a tokenizer is not shared across
@@ -87,6 +92,8 @@ class InputProcessor:
         if chunks and not self._segmentable(prompt):
             raise ValueError("prompt_chunks (chunks) cut a text prompt into segments; this prompt is "
                              "token ids or prompt_segments, which have no text to cut")
+        if chunks:
+            self._warn_if_chunks_unused()
         if self.segment_prompts and self._segmentable(prompt):
             prompt = self._segmented(prompt, chunks)
         if isinstance(prompt, ProcessedPrompt):
@@ -99,6 +106,17 @@ class InputProcessor:
         check_cache_salt(salt)
         self.check_prompt_ids(token_ids)
         return ProcessedPrompt(text, token_ids, salt, segments)
+
+    def _warn_if_chunks_unused(self) -> None:
+        """Chunks without chunk reuse change nothing: say so, once (integrations pass them on
+        every call)."""
+        if self.segment_prompts or self._told_chunks_unused.is_set():
+            return
+        self._told_chunks_unused.set()
+        logger.warning("prompt_chunks (chunks=) are given, but chunk reuse is off: they change nothing "
+                       "(prefix caching still applies); start the engine with enable_chunk_reuse=True "
+                       "(pagedrag serve --enable-chunk-reuse) to reuse each chunk's KV wherever it lands. "
+                       "Logged once.")
 
     @staticmethod
     def _segmentable(prompt: object) -> bool:
@@ -284,6 +302,8 @@ class InputProcessor:
         def render(messages: Conversation) -> str:
             return self.render_chat_text(messages, add_generation_prompt, tools, **template_kwargs)
 
+        if chunks:
+            self._warn_if_chunks_unused()
         conversation = normalize_conversation(conversation)
         text = render(conversation)
         pieces = literal_text.chat_pieces(self.tokenizer, render, conversation, text)

@@ -86,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagedrag.server.cli import positive_int
 
     parser.add_argument("--model", default=None, help="model folder or name (default: embedded SmolLM2)")
+    parser.add_argument("--max-model-len", type=positive_int, default=2048,
+                        help="the longest sequence (default 2048, or the model's limit where shorter)")
     parser.add_argument("--num-requests", type=positive_int, default=16)
     parser.add_argument("--max-tokens", type=positive_int, default=32)
     parser.add_argument("--max-num-seqs", type=positive_int, default=8)
@@ -94,8 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pagedrag import LLM, SamplingParams
+    from pagedrag.models.loader import capped_max_model_len
 
-    llm = LLM(args.model, max_model_len=2048, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, max_model_len=capped_max_model_len(args.model, args.max_model_len),
+              max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=not args.no_prefix_caching)
     prompts = [llm.apply_chat_template(r.messages()) for r in rag_requests(args.num_requests, tokenizer=llm.get_tokenizer())]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -51,16 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagedrag.server.cli import positive_int
 
     parser.add_argument("--model", default=None, help="model folder or name (default: embedded SmolLM2)")
+    parser.add_argument("--max-model-len", type=positive_int, default=2048,
+                        help="the longest sequence (default 2048, or the model's limit where shorter)")
     parser.add_argument("--max-tokens", type=positive_int, default=48)
     parser.add_argument("--no-prefix-caching", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     from pagedrag import LLM, SamplingParams
+    from pagedrag.models.loader import capped_max_model_len
     from pagedrag.rag.canonical import PromptCanonicalizer
     from pagedrag.rag.explain import explain
 
-    llm = LLM(args.model, max_model_len=2048, enable_prefix_caching=not args.no_prefix_caching)
+    llm = LLM(args.model, max_model_len=capped_max_model_len(args.model, args.max_model_len),
+              enable_prefix_caching=not args.no_prefix_caching)
     canonical = PromptCanonicalizer(SYSTEM_PROMPT, tokenizer=llm.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     print(f"{'#':>2} {'cached/prompt':>13} {'hit rate':>8} {'TTFT ms':>8}  question -> answer")

@@ -153,6 +153,13 @@ def model_config(model: str | None, source: ModelSource = ModelSource()) -> tupl
     return path, AutoConfig.from_pretrained(path, trust_remote_code=source.trust_remote_code)
 
 
+def capped_max_model_len(model: str | None, cap: int) -> int:
+    """``cap``, or the model's context limit where that is shorter: what the CLI's demo and
+    bench run at (a small pool on CPU, and no refusal of a model with fewer positions)."""
+    _, config = model_config(model)
+    return min(cap, context_limit.context_limit(config)[0])
+
+
 def _tokenizer_of(path: Path | None, source: ModelSource, required: bool):
     """The tokenizer (``source.tokenizer``, else the checkpoint's); dummy-weight folders may
     have none (then None)."""

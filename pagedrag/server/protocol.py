@@ -26,7 +26,8 @@ pagedrag's own extensions, for chunk reuse (``--enable-chunk-reuse``):
   chunk_tokens_recomputed and prompt_tokens_computed to OpenAI's cached_tokens.
 
 Without --enable-chunk-reuse both fields are accepted and checked, a prompt_segments prompt
-is just its concatenation, and the chunk figures are 0.
+is just its concatenation, prompt_chunks change nothing (the server logs that once), and the
+chunk figures are 0.
 """
 
 from __future__ import annotations

@@ -104,6 +104,40 @@ def test_a_replica_at_its_max_queue_passes_the_request_to_another():
     assert [r.in_flight for r in replicas.replicas + everyone_full.replicas] == [0, 1, 0, 1]  # 1: being sent
 
 
+def test_requests_waiting_on_a_replica_that_stops_answering_go_to_another(monkeypatch):
+    """A replica that hangs with a request sent to it: once health checks take it out of
+    routing, that request goes to another replica (its connection to the hung one closed)."""
+    hung, closed = asyncio.Event(), []
+
+    async def replica_side(request: httpx.Request) -> httpx.Response:
+        if request.url.port == 1000 and request.url.path != "/health":
+            try:
+                await hung.wait()  # never set: the replica never answers
+            finally:
+                closed.append(True)
+        if request.url.path == "/health":
+            return httpx.Response(503 if request.url.port == 1000 else 200)
+        return httpx.Response(200, json={"served_by": request.url.port})
+
+    replicas = _fake_replicas({"a": httpx.Response(200), "b": httpx.Response(200)})
+    replicas.client = httpx.AsyncClient(transport=httpx.MockTransport(replica_side))
+    request = SimpleNamespace(headers={}, method="POST", url=SimpleNamespace(path="/v1/completions"),
+                              query_params={})
+
+    async def scenario():
+        sending = asyncio.create_task(_send(replicas, request, b"{}", []))  # round robin: "a" first
+        await asyncio.sleep(0.05)
+        assert not sending.done() and replicas.replicas[0].in_flight == 1
+        for _ in range(data_parallel.HEALTH_MISSES):
+            await asyncio.gather(*(replicas._check(replica) for replica in replicas.up()))
+        return await asyncio.wait_for(sending, timeout=5)
+
+    reply = asyncio.run(scenario())
+    assert reply.status_code == 200 and json.loads(reply.body) == {"served_by": 1001}
+    assert closed == [True] and [r.up for r in replicas.replicas] == [False, True]
+    assert replicas.replicas[0].in_flight == 0
+
+
 def test_a_replica_that_cannot_start_stops_the_router_instead_of_restarting_forever(monkeypatch):
     replica = LocalReplica("0", [])
     monkeypatch.setattr(replica, "start", lambda: setattr(replica, "process", _Running(returncode=1)))

@@ -16,7 +16,9 @@ Invariants:
   ``RESTART_DELAY_MAX_S``). A replica that exits before it ever came up cannot start with
   these flags: the router stops (exit code 1) rather than restart it forever.
 - A replica up is asked for /health every ``HEALTH_EVERY_S``; one that misses
-  ``HEALTH_MISSES`` answers in a row (hung, stopped) gets no new requests until it answers.
+  ``HEALTH_MISSES`` answers in a row (hung, stopped) gets no new requests until it answers,
+  and the requests sent to it that it has not begun to answer go to another replica (the
+  router closes their connections, which aborts them there should it ever run them).
 - A replica that answers 503 queue_full (its --max-queue) passes the request to another.
 - /metrics and /v1/stats are every replica's figures and their sums (router.metrics_sum),
   from those that answer within ``FIGURES_TIMEOUT_S``; /health is 200 while any replica is up.
@@ -78,6 +80,7 @@ class LocalReplica:
     stopping: bool = False  # sent SIGTERM
     in_flight: int = 0
     restarts: int = 0
+    unresponsive: asyncio.Event = field(default_factory=asyncio.Event)  # set when checks take it out
 
     @property
     def url(self) -> str:
@@ -86,6 +89,7 @@ class LocalReplica:
     def start(self) -> None:
         self.port = free_port()
         self.up, self.missed_checks, self.in_flight, self.stopping, self.restart_at = False, 0, 0, False, None
+        self.unresponsive = asyncio.Event()
         command = [sys.executable, "-m", "pagedrag", "serve", *self.argv, "--host", "127.0.0.1",
                    "--port", str(self.port)]
         # A session of its own: a terminal's Ctrl-C reaches the router alone, which then tells each
@@ -144,6 +148,7 @@ class Replicas:
                 elif not replica.up and await self._healthy(replica, 2.0):
                     replica.up = replica.ever_up = True
                     replica.missed_checks = 0
+                    replica.unresponsive = asyncio.Event()
             if time.monotonic() - last_check >= HEALTH_EVERY_S:
                 await asyncio.gather(*(self._check(replica) for replica in self.up()))
                 last_check = time.monotonic()
@@ -175,9 +180,10 @@ class Replicas:
         """One health check of a replica up; HEALTH_MISSES in a row take it out of routing."""
         replica.missed_checks = 0 if await self._healthy(replica, HEALTH_TIMEOUT_S) else replica.missed_checks + 1
         if replica.missed_checks >= HEALTH_MISSES:
-            logger.warning("replica %s missed %d health checks; no new requests go to it until it answers",
-                           replica.name, replica.missed_checks)
+            logger.warning("replica %s missed %d health checks; no new requests go to it until it answers, "
+                           "and those it has not begun to answer go to another", replica.name, replica.missed_checks)
             replica.up = False
+            replica.unresponsive.set()
 
     async def _healthy(self, replica: LocalReplica, timeout: float) -> bool:
         try:
@@ -279,8 +285,8 @@ async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[
         upstream = replicas.client.build_request(request.method, replica.url + request.url.path,
                                                  params=request.query_params, content=body, headers=headers)
         try:
-            reply = await _Reply.open(replicas.client, upstream)
-        except httpx.HTTPError as error:
+            reply = await _open_unless_unresponsive(replicas.client, upstream, replica)
+        except (httpx.HTTPError, ReplicaUnresponsive) as error:
             replica.release()
             tried.add(replica.name)
             logger.warning("replica %s failed (%s); sending the request to another", replica.name, error)
@@ -292,6 +298,28 @@ async def _send(replicas: Replicas, request: Request, body: bytes, hashes: list[
         replicas.chooser.record(replica.name, hashes)  # it holds the prompt's blocks now (or soon)
         return reply.response(replica)
     raise APIError(503, "every engine replica failed to answer this request", code="service_unavailable")
+
+
+class ReplicaUnresponsive(Exception):
+    """Health checks took the replica out of routing before it began to answer."""
+
+
+async def _open_unless_unresponsive(client: httpx.AsyncClient, request: httpx.Request,
+                                    replica: LocalReplica) -> _Reply:
+    """The replica's reply, unless health checks take the replica out of routing first: then
+    the request's connection is closed and ReplicaUnresponsive raised (a reply that came
+    first wins)."""
+    opening = asyncio.ensure_future(_Reply.open(client, request))
+    noticed = asyncio.ensure_future(replica.unresponsive.wait())
+    try:
+        await asyncio.wait({opening, noticed}, return_when=asyncio.FIRST_COMPLETED)
+        if opening.done():
+            return opening.result()
+        raise ReplicaUnresponsive(f"it missed {replica.missed_checks} health checks before answering")
+    finally:
+        noticed.cancel()
+        if not opening.done():
+            opening.cancel()  # _Reply.open closes the connection
 
 
 @dataclass

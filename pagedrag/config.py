@@ -18,6 +18,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 GIB_BYTES = 1 << 30
 DEFAULT_KV_DISK_SIZE = 16.0  # GiB
 PREEMPTION_MODES = ("recompute", "swap")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 DTYPES = {"auto": None, "float32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
 
@@ -148,6 +149,10 @@ class EngineArgs:
                                          "process may use, as many as run each size of step fastest")
     tool_call_parser: str | None = _arg(None, "how tool calls are read from the model's text: hermes, "
                                               "llama3_json or smollm2; default: from the chat template")
+    logprobs_mode: str = _arg("raw_logprobs", "what logprobs report, as vLLM: raw_logprobs (the model's, before "
+                                              "any sampling parameter), raw_logits, or processed_logprobs / "
+                                              "processed_logits (after every parameter the token was sampled "
+                                              "under: bans, bias, penalties, temperature, min-p, top-k, top-p)")
     enable_auto_tool_choice: bool = _arg(True, "let the model decide whether to call a tool (tool_choice "
                                                "auto); off: only none, required or a named function")
     speculative_config: dict | None = _arg(None, "speculative decoding drafted from the context, as a dict or "
@@ -173,6 +178,8 @@ class EngineArgs:
              f"max_model_len must be at least 1, got {self.max_model_len}"),
             (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"),
+            (self.logprobs_mode in LOGPROBS_MODES,
+             f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}"),
             (self.preemption_mode in PREEMPTION_MODES,
              f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"),
             (0 <= self.chunk_recompute_fraction <= 1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 
@@ -19,6 +20,16 @@ MAX_TOKEN_LIST = 1 << 17  # logit_bias entries / allowed_token_ids (a large voca
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 GREEDY_TEMPERATURE = 1e-5  # below: greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # below, and above GREEDY_TEMPERATURE: raised to this (vLLM's _MAX_TEMP)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a streamed request yields, as vLLM's: every output so far (CUMULATIVE), only what
+    is new since the last one (DELTA), or only the finished output (FINAL_ONLY). LLM.generate
+    returns finished outputs whatever the kind."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class ParameterError(ValueError):
@@ -56,12 +67,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top logprobs per prompt token (0: only the token's own)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # as vLLM with a fast tokenizer: see _check_types
+    detokenize: bool = True  # False: token ids only (text "", no stop strings)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words never generated (their last token is banned in context)
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens
     structured_outputs: StructuredOutputsParams | dict | None = None  # the output's shape (a grammar)
     guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name for structured_outputs
+    extra_args: dict | None = None  # kept for plugins, as vLLM keeps them; nothing in pagedrag reads them
     # pagedrag's extension: False keeps this request from drafting when the engine has a speculative_config
     speculative_decoding: bool = True
 
@@ -98,8 +113,15 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             check_float(name, getattr(self, name))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative_decoding"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative_decoding",
+                     "spaces_between_special_tokens", "detokenize"):
             check_bool(name, getattr(self, name))
+        self.output_kind = self._output_kind(self.output_kind)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise TypeError(f"extra_args must be a dict, got {type(self.extra_args).__name__}")
+        if not self.spaces_between_special_tokens and not self.skip_special_tokens:
+            logger.warning("spaces_between_special_tokens=False changes no text here: pagedrag detokenizes with "
+                           "the model's fast tokenizer, as vLLM does for fast tokenizers, which ignores it")
         for token_id in self.stop_token_ids:
             check_int("stop_token_ids", token_id)
         for token_id in self.allowed_token_ids:
@@ -113,6 +135,16 @@ class SamplingParams:
                 raise TypeError(f"stop must hold strings, got {type(stop).__name__}")
             check_utf8("a stop string", stop)
 
+    @staticmethod
+    def _output_kind(value: object) -> RequestOutputKind:
+        """A RequestOutputKind (vLLM's or pagedrag's enum, or its name or number)."""
+        name = getattr(value, "name", value)
+        try:
+            return RequestOutputKind[name] if isinstance(name, str) else RequestOutputKind(check_int("output_kind", name))
+        except (KeyError, ValueError):
+            raise ParameterError("output_kind", f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
+                                                f"got {value!r}") from None
+
     def _validate(self) -> None:
         checks = [
             ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
@@ -124,17 +156,19 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            ("repetition_penalty", 0 < self.repetition_penalty <= 2,
-             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
+            ("repetition_penalty", 0 < self.repetition_penalty < float("inf"),
+             f"repetition_penalty must be a finite number above 0, got {self.repetition_penalty}"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1,
              f"max_tokens must be at least 1, got {self.max_tokens}"),
             ("min_tokens", self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+             f"logprobs must be in [0, {MAX_LOGPROBS}] (vLLM's default max_logprobs; -1, every token, "
+             f"is past it), got {self.logprobs}"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (vLLM's default max_logprobs; -1, every token, "
+             f"is past it), got {self.prompt_logprobs}"),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1),
              f"seed must be in [{SEED_MIN}, {SEED_MAX}] for every one of the n={self.n} completions "
              f"(completion i uses seed + i), got {self.seed}"),
@@ -153,8 +187,10 @@ class SamplingParams:
             ("bad_words", len(self.bad_words) <= MAX_STOP_STRINGS
              and all(len(w) <= MAX_STOP_STRING_CHARS for w in self.bad_words),
              f"at most {MAX_STOP_STRINGS} bad_words of at most {MAX_STOP_STRING_CHARS} characters"),
-            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
-             f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+             f"truncate_prompt_tokens must be at least 1, or -1 (the longest prompt the engine takes), "
+             f"got {self.truncate_prompt_tokens}"),
+            ("stop", self.detokenize or not self.stop, "stop strings need detokenize=True (they match the text)"),
         ]
         for param, ok, message in checks:
             if not ok:

@@ -90,6 +90,28 @@ def test_stream_adds_up_to_the_whole_with_a_stop_string(request, client_name):
     assert all(p.finish_reason is None and p.prompt_tokens == 0 for p in pieces[:-1])
 
 
+@pytest.mark.parametrize("kind", ["DELTA", "FINAL_ONLY"])
+def test_the_engines_streams_follow_output_kind(engine, local, kind):
+    """vLLM's output_kind on the async engine: DELTA pieces join to the cumulative output (tokens,
+    text, logprobs); FINAL_ONLY yields the finished output alone. The client reads the engine
+    cumulatively whatever its caller's parameters say."""
+    async def outputs(output_kind: str):
+        params = _greedy(max_tokens=12, ignore_eos=True, logprobs=1, output_kind=output_kind)
+        return [output async for output in engine.generate(PREFIX, params)]
+
+    whole = asyncio.run(outputs("CUMULATIVE"))[-1].outputs[0]
+    streamed = asyncio.run(outputs(kind))
+    assert streamed[-1].finished and streamed[-1].outputs[0].finish_reason == whole.finish_reason
+    if kind == "FINAL_ONLY":
+        assert len(streamed) == 1 and streamed[0].outputs[0].token_ids == whole.token_ids
+    else:
+        pieces = [o.outputs[0] for o in streamed]
+        assert [t for p in pieces for t in p.token_ids] == whole.token_ids
+        assert "".join(p.text for p in pieces) == whole.text
+        assert [e for p in pieces for e in p.logprobs] == whole.logprobs
+    assert local.complete(PREFIX, _greedy(max_tokens=12, ignore_eos=True, output_kind=kind)).text == whole.text
+
+
 @pytest.mark.parametrize("client_name", ["local", "remote"])
 def test_cache_salt_keeps_prefixes_apart(request, client_name):
     """The salt reaches the engine (remotely: in extra_body): the same prompt under another

@@ -10,7 +10,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 VOCAB = 1000
 
 
-def make_batch(params, device="cpu", generators=None, prompts=None, outputs=None, eos_token_id=None):
+def make_batch(params, device="cpu", generators=None, prompts=None, outputs=None, eos_token_ids=frozenset()):
     n = len(params)
     return SamplingBatch.from_params(
         params,
@@ -18,7 +18,7 @@ def make_batch(params, device="cpu", generators=None, prompts=None, outputs=None
         prompts or [[] for _ in range(n)],
         outputs or [[] for _ in range(n)],
         device,
-        eos_token_id,
+        eos_token_ids,
     )
 
 
@@ -27,8 +27,8 @@ def random_logits(n, vocab=VOCAB, device="cpu", seed=0):
     return (torch.randn(n, vocab, generator=gen) * 3).to(device)
 
 
-def sample(logits, params, **kwargs):
-    return Sampler()(logits, make_batch(params, device=logits.device, **kwargs))
+def sample(logits, params, mode="raw_logprobs", **kwargs):
+    return Sampler(mode)(logits, make_batch(params, device=logits.device, **kwargs))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -129,7 +129,7 @@ def test_penalties_hand_computed():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     params = SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.5,
                             presence_penalty=0.25, logprobs=5)
-    out = sample(logits, [params], prompts=[[0]], outputs=[[1, 3, 3]])
+    out = sample(logits, [params], "processed_logprobs", prompts=[[0]], outputs=[[1, 3, 3]])
     # token 0: in prompt, positive -> 2 / 2; token 1: output once -> -1 * 2 - 0.5 - 0.25;
     # token 3: output twice -> 3 / 2 - 2 * 0.5 - 0.25; tokens 2 and 4 untouched.
     expected = torch.tensor([1.0, -2.75, 0.5, 0.25, -2.0])
@@ -137,6 +137,25 @@ def test_penalties_hand_computed():
     got = dict(zip(out.top_token_ids[0].tolist(), out.top_logprobs[0].tolist()))
     want = expected.log_softmax(-1)
     assert all(abs(got[t] - want[t].item()) < 1e-6 for t in range(5))
+    processed_logits = sample(logits, [params], "processed_logits", prompts=[[0]], outputs=[[1, 3, 3]])
+    assert torch.allclose(processed_logits.top_logprobs[0], expected.sort(descending=True).values)
+    raw = sample(logits, [params], prompts=[[0]], outputs=[[1, 3, 3]])  # the default: vLLM's raw_logprobs
+    assert raw.token_ids.item() == 0 and torch.allclose(raw.top_logprobs[0], logits[0].log_softmax(-1).sort(
+        descending=True).values)
+    assert torch.equal(sample(logits, [params], "raw_logits").top_logprobs[0], logits[0].sort(descending=True).values)
+
+
+def test_bias_comes_before_the_penalties_and_min_p_before_top_p():
+    """vLLM's order: logit_bias, then the repetition penalty (which divides the biased logit);
+    min-p filters before top-p's nucleus is taken."""
+    logits = torch.tensor([[1.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={1: 2.0})
+    # token 1 is in the prompt: (0 + 2) / 2 = 1.0 ties token 0 (penalised first, it would be 0 + 2)
+    out = sample(logits, [params], "processed_logits", prompts=[[1]])
+    assert out.logprobs.item() == pytest.approx(1.0)
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    kept = Sampler("processed_logprobs")(probs, make_batch([SamplingParams(top_p=0.83, min_p=0.2, logprobs=4)]))
+    assert torch.isfinite(kept.top_logprobs[0]).sum().item() == 2  # min-p keeps 3, then top-p 2 of them
 
 
 def test_penalties_leave_other_rows_bit_identical():
@@ -147,7 +166,8 @@ def test_penalties_leave_other_rows_bit_identical():
     alone = sample(logits[:1], params[:1], prompts=[[1, 2]], outputs=[[4, 4]])
     assert torch.equal(out.top_logprobs[0], alone.top_logprobs[0])
     assert torch.equal(out.logprobs[0], alone.logprobs[0])
-    assert not torch.equal(out.logprobs[1], sample(logits[1:], params[:1]).logprobs[0])
+    processed = sample(logits, params, "processed_logprobs", prompts=[[1, 2], [3]], outputs=[[4, 4], [5]])
+    assert not torch.equal(processed.logprobs[1], sample(logits[1:], params[:1], "processed_logprobs").logprobs[0])
 
 
 def test_min_tokens_bans_stop_tokens_until_reached():
@@ -155,9 +175,9 @@ def test_min_tokens_bans_stop_tokens_until_reached():
     params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3]),
               SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3]),
               SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)]
-    out = sample(logits, params, outputs=[[1], [1, 1], []], eos_token_id=2)
+    out = sample(logits, params, outputs=[[1], [1, 1], []], eos_token_ids=frozenset({2}))
     assert out.token_ids.tolist() == [1, 2, 2]
-    assert out.logprobs[0].item() == pytest.approx(torch.tensor([0.0, 1.0]).log_softmax(-1)[1].item())
+    assert out.logprobs[0].item() == pytest.approx(logits[0].log_softmax(-1)[1].item())  # raw: the bans aside
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -42,7 +42,7 @@ def test_bad_words_are_never_completed():
     logits = torch.zeros(2, 10)
     logits[:, 7] = 5.0  # token 7 would win
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0)]
-    batch = SamplingBatch.from_params(params, [None, None], [[1], [1]], [[3], [4]], "cpu", None,
+    batch = SamplingBatch.from_params(params, [None, None], [[1], [1]], [[3], [4]], "cpu", frozenset(),
                                       [[[3, 7]], [[3, 7]]])
     out = Sampler()(logits, batch).to_host()
     assert out[0].token_id != 7 and out[1].token_id == 7  # only row 0's output ends with 3
@@ -103,3 +103,74 @@ def test_prompt_logprobs_match_hf_and_survive_chunking(tmp_path):
             token = prompt[position]
             assert entry[token].logprob == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
             assert len([lp for lp in entry.values() if lp.rank <= 2]) >= 2
+
+
+def _first_ranked(llm, rank: int) -> tuple[int, float]:
+    """The token ranked ``rank`` for PROMPT's first output token, and its raw logprob."""
+    entry = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False
+                         )[0].outputs[0].logprobs[0]
+    token = next(t for t, lp in entry.items() if lp.rank == rank)
+    return token, entry[token].logprob
+
+
+def test_logprobs_are_the_models_raw_ones_whatever_the_parameters(llm):
+    """vLLM's default logprobs_mode, raw_logprobs: a bias that makes the second token win leaves
+    its logprob (and rank) as the model gave them."""
+    token, raw = _first_ranked(llm, 2)
+    biased = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1, logprobs=1, logit_bias={token: 50.0},
+                                                 repetition_penalty=1.5), use_tqdm=False)[0].outputs[0]
+    assert biased.token_ids == [token]
+    assert biased.logprobs[0][token].logprob == pytest.approx(raw, abs=1e-5) and biased.logprobs[0][token].rank == 2
+
+
+def test_a_stop_token_is_left_out_of_the_text_unless_asked_for(llm):
+    first = _first_ranked(llm, 1)[0]
+    stopped = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[first]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == [first] and stopped.text == "" and stopped.stop_reason == first
+    kept = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[first],
+                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == llm.get_tokenizer().decode([first])
+
+
+def test_detokenize_false_gives_token_ids_only(llm):
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3, logprobs=1, ignore_eos=True,
+                                              detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 3 and out.text == ""
+    assert all(lp.decoded_token is None for entry in out.logprobs for lp in entry.values())
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_truncate_minus_one_keeps_the_longest_prompt_the_engine_takes(llm):
+    long_prompt = {"prompt_token_ids": [5 + i % 200 for i in range(300)]}
+    out = llm.generate(long_prompt, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == long_prompt["prompt_token_ids"][-127:]  # max_model_len 128
+
+
+def test_beam_search_fills_the_context_as_generate_does(llm):
+    from pagedrag import BeamSearchParams
+
+    prompt = {"prompt_token_ids": [5 + i % 200 for i in range(124)]}  # 4 tokens of room in 128
+    beams = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=16, ignore_eos=True))[0]
+    assert all(len(seq.tokens) == 128 for seq in beams.sequences)
+
+
+def test_a_bad_word_with_a_leading_space_bans_the_word_itself(llm):
+    inputs = llm.llm_engine.inputs
+    assert inputs.bad_words_token_ids(SamplingParams(bad_words=[" c"])) == [[66]]  # vLLM: the word, stripped
+
+
+def test_min_tokens_holds_back_every_end_of_sequence_id_of_the_model(tmp_path):
+    """A model whose generation_config names two EOS ids (as Llama-3-Instruct's <|eot_id|>):
+    min_tokens keeps both from being sampled, not only the tokenizer's. The engine also reports
+    processed logprobs on request (logprobs_mode)."""
+    from transformers import GenerationConfig
+
+    path = make_tiny_model(tmp_path, "llama")
+    GenerationConfig(eos_token_id=[258, 256]).save_pretrained(path)
+    llm = LLM(str(path), max_model_len=64, logprobs_mode="processed_logprobs")
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, min_tokens=4, logit_bias={256: 30.0},
+                                              logprobs=0), use_tqdm=False)[0].outputs[0]
+    assert 256 not in out.token_ids[:4] and out.token_ids[4:] == [256] and out.finish_reason == "stop"
+    assert out.logprobs[4][256].logprob > -0.01  # processed: the bias is in it

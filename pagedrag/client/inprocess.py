@@ -17,7 +17,7 @@ from pagedrag.config import EngineArgs
 from pagedrag.deltas import ChoiceCursor, ChoiceDelta
 from pagedrag.engine.inputs import ProcessedPrompt
 from pagedrag.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedrag.sampling_params import SamplingParams
+from pagedrag.sampling_params import RequestOutputKind, SamplingParams
 from pagedrag.client.bridge import run_sync
 from pagedrag.client.types import (WARM_PARAMS, EngineClient, EngineInfo, Generation, Prompt, TokenLogprob,
                                    ToolRequest, WarmSummary, tier_hits)
@@ -57,6 +57,9 @@ class SharedEngine:
         caller's thread, not on the engine's. The parameters' ``truncate_prompt_tokens`` cuts
         the prompt (to its last tokens) before its length is checked."""
         truncate = params.truncate_prompt_tokens  # applied before the length check, as vLLM
+        # The client yields pieces of its own (streams) or whole completions: it reads the
+        # engine's outputs cumulative, whatever output_kind the caller's parameters carry
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
         with self._inputs_lock:
             if isinstance(prompt, str):
                 if tools is not None:

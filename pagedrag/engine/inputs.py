@@ -85,7 +85,8 @@ class InputProcessor:
                 truncate_prompt_tokens: int | None = None, chunks: Sequence[str] | None = None) -> ProcessedPrompt:
         """Tokenize and check a prompt given as text, token ids or a prompt dict; the
         ``cache_salt`` argument wins over the dict's; ``truncate_prompt_tokens`` keeps the
-        last k tokens (the text is then dropped). With ``segment_prompts`` a text prompt is
+        last k tokens (the text is then dropped; -1: the longest prompt the engine takes,
+        max_model_len - 1). With ``segment_prompts`` a text prompt is
         cut into segments (around ``chunks``, the retrieved chunks' texts, or at blank
         lines). Raises ValueError / TypeError; also when ``chunks`` come with a prompt that has
         no text to cut (token ids, prompt_segments), rather than leaving them unused."""
@@ -101,6 +102,8 @@ class InputProcessor:
         else:
             (text, token_ids, salt), segments = self._parse(prompt)
         salt = cache_salt if cache_salt is not None else salt
+        if truncate_prompt_tokens == -1:  # vLLM's "as long as the model takes"
+            truncate_prompt_tokens = self.max_model_len - 1
         if truncate_prompt_tokens is not None and len(token_ids) > truncate_prompt_tokens:
             text, token_ids, segments = None, token_ids[-truncate_prompt_tokens:], ()
         check_cache_salt(salt)
@@ -381,11 +384,17 @@ class InputProcessor:
             self.grammars.compile(params.structured_outputs)
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
-        """Each bad word as token ids, alone and after a space (as vLLM tokenizes them), so
-        the word is banned at the start of the output and inside it."""
-        variants = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
-                    for word in params.bad_words for text in (word, " " + word.lstrip())}
-        return [list(ids) for ids in variants if ids]
+        """Each bad word as token ids, as vLLM tokenizes it: its text without leading spaces,
+        and after one space where that is a word of the same length in tokens that starts
+        with another token (so the word is banned at the start of the output and inside it)."""
+        variants = []
+        for word in params.bad_words:
+            bare, spaced = (self.tokenizer.encode(text + word.lstrip(), add_special_tokens=False)
+                            for text in ("", " "))
+            variants.append(bare)
+            if bare and len(spaced) == len(bare) and spaced[0] != bare[0]:
+                variants.append(spaced)
+        return [list(ids) for ids in dict.fromkeys(map(tuple, variants)) if ids]
 
 
 def check_cache_salt(salt: object) -> None:

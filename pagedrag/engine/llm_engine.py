@@ -12,6 +12,7 @@ from contextlib import nullcontext
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from concurrent.futures import Future
 import itertools
 import logging
@@ -243,7 +244,7 @@ class LLMEngine:
         self.scheduler.update_after_step(step, self._fail_request)
         self._offer_to_tiers(step, time.perf_counter() - started)
         for request, first_token, samples in logits.prompt:
-            record_prompt_logprobs(request, first_token, samples, self._decode_token)
+            record_prompt_logprobs(request, first_token, samples, self._token_text(request))
         touched = self._complete(previous) if previous else set()
         plan, verifying = self._sampling_plan(step)
         sampled = self.runner.sample(logits.sampling, plan)
@@ -399,14 +400,21 @@ class LLMEngine:
 
     def _after_token(self, seq: Request, sample: Sample) -> None:
         seq.append_token(sample.token_id)
-        record_logprobs(seq, sample, self._decode_token)
+        record_logprobs(seq, sample, self._token_text(seq))
         self._observe_latency(seq)
         group = self.groups[seq.group_id]
-        status = self.stop_policy.check_token(seq) or _advance_grammar(seq)
-        status = update_text(group.texts[seq.request_id], seq, finishing=status is not None) or status
+        stopped_by_token = self.stop_policy.check_token(seq)
+        status = stopped_by_token or _advance_grammar(seq)
+        hidden = stopped_by_token is RequestStatus.FINISHED_STOPPED and not seq.params.include_stop_str_in_output
+        status = update_text(group.texts[seq.request_id], seq, finishing=status is not None,
+                             newest_hidden=hidden) or status
         if status is not None:
             self.scheduler.finish(seq, status)
             self.metrics.request_finished(status.value, seq.metrics, seq.num_output_tokens)
+
+    def _token_text(self, seq: Request) -> Callable[[int], str] | None:
+        """How logprobs name a token's text (None: no tokenizer, or detokenize=False)."""
+        return self._decode_token if seq.params.detokenize else None
 
     def _observe_latency(self, seq: Request) -> None:
         previous = seq.metrics.last_token_time

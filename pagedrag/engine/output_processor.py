@@ -19,7 +19,7 @@ from pagedrag.core.request import Request, RequestStatus
 class SequenceText:
     """The text side of one sequence: its detokenizer and stop-string checker."""
 
-    detokenizer: IncrementalDetokenizer | None  # None: the model has no tokenizer (token ids only)
+    detokenizer: IncrementalDetokenizer | None  # None: no tokenizer, or detokenize=False (token ids only)
     stops: StopChecker
     text: str = ""
 
@@ -91,19 +91,22 @@ class StopPolicy:
 def new_sequence_text(tokenizer, seq: Request) -> SequenceText:
     params = seq.params
     detokenizer = (IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
-                   if tokenizer is not None else None)
+                   if tokenizer is not None and params.detokenize else None)
     return SequenceText(detokenizer, StopChecker(params.stop, params.include_stop_str_in_output))
 
 
-def update_text(text: SequenceText, seq: Request, finishing: bool) -> RequestStatus | None:
-    """Detokenize the newest token; a stop string ends the sequence and trims the text.
+def update_text(text: SequenceText, seq: Request, finishing: bool, newest_hidden: bool = False
+                ) -> RequestStatus | None:
+    """Detokenize the newest token (unless ``newest_hidden``: an EOS or stop token that ended
+    the sequence, which vLLM leaves out of the text unless include_stop_str_in_output); a
+    stop string ends the sequence and trims the text.
 
     While the sequence runs, ``text.text`` never shows the start of a possible stop
     string; once it finishes, it holds everything (minus a matched stop string).
     """
     if text.detokenizer is None:
         return None
-    new_text = text.detokenizer.append([seq.token_ids[-1]])
+    new_text = "" if newest_hidden else text.detokenizer.append([seq.token_ids[-1]])
     if finishing:
         new_text += text.detokenizer.flush()
     full = text.detokenizer.text

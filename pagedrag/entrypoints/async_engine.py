@@ -143,7 +143,8 @@ class AsyncLLMEngine:
     def generate(self, prompt: PromptType, params: SamplingParams | None = None,
                  request_id: str | None = None, cache_salt: str | None = None,
                  ) -> "RequestStream":
-        """Queue a request now and return its outputs (cumulative) as an async iterator.
+        """Queue a request now and return its outputs (cumulative, or as ``params.output_kind``
+        says) as an async iterator.
 
         Call from a running event loop. The prompt is tokenized and checked on an input
         thread, never on the engine thread. The iterator raises what went wrong: ValueError /
@@ -161,7 +162,7 @@ class AsyncLLMEngine:
             self._reject(mailbox, EngineDeadError("the engine has shut down"))
         else:
             prepared.add_done_callback(lambda done: self._queue_prepared(request_id, done, params, mailbox))
-        return RequestStream(request_id, mailbox, self._abort_later)
+        return RequestStream(request_id, mailbox, self._abort_later, _output_kind(params))
 
     def generate_batch(self, requests: Sequence[tuple[ProcessedPrompt, SamplingParams | None]],
                        request_ids: Sequence[str | None] | None = None) -> list["RequestStream"]:
@@ -174,7 +175,8 @@ class AsyncLLMEngine:
         opened = [self._open(request_id) for request_id in ids]
         self._queue([(request_id, prompt, params, mailbox)
                      for (request_id, mailbox), (prompt, params) in zip(opened, requests, strict=True)])
-        return [RequestStream(request_id, mailbox, self._abort_later) for request_id, mailbox in opened]
+        return [RequestStream(request_id, mailbox, self._abort_later, _output_kind(params))
+                for (request_id, mailbox), (_, params) in zip(opened, requests)]
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ValueError / TypeError for sampling parameters this engine cannot run."""
@@ -376,3 +378,7 @@ class AsyncLLMEngine:
             except Exception as abort_error:
                 self._dead_reason = f"the engine could not recover from a failed step: {abort_error!r}"
                 logger.exception("aborting %s failed; the engine takes no more requests", request_id)
+
+
+def _output_kind(params: SamplingParams | None) -> RequestOutputKind:
+    return RequestOutputKind.CUMULATIVE if params is None else params.output_kind

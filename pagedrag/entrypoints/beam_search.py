@@ -77,8 +77,8 @@ def run_beam_search(engine: LLMEngine, generate: Generate, prompts: list,
                 s.finished = True
             done[i].extend(finished)
             kept = [s for s in options if s.tokens[-1] not in eos][:params.beam_width]
-            live[i] = [s for s in kept if len(s.tokens) < engine.max_model_len - 1]
-            done[i].extend(s for s in kept if len(s.tokens) >= engine.max_model_len - 1)
+            live[i] = [s for s in kept if len(s.tokens) < engine.max_model_len]  # room for one more token
+            done[i].extend(s for s in kept if len(s.tokens) >= engine.max_model_len)
     results = []
     for i in range(len(prompts)):
         pool = done[i] + live[i]

@@ -59,9 +59,8 @@ def build_device_side(args: EngineArgs, group: TensorParallelGroup = SINGLE) -> 
     _check_fits(args, num_blocks, loaded.max_model_len)
     num_cpu_blocks = shape.blocks_in(args.swap_space * GIB_BYTES) if args.preemption_mode == "swap" else 0
     cache = KVCacheTensors(shape, num_blocks, num_cpu_blocks, device, kernels.ops_for(device), group)
-    eos_token_id = loaded.tokenizer.eos_token_id if loaded.tokenizer is not None else None
-    runner = ModelRunner(module, cache, args.block_size, device, eos_token_id, args.chunk_recompute_strategy,
-                         group, threads)
+    runner = ModelRunner(module, cache, args.block_size, device, frozenset(loaded.eos_token_ids),
+                         args.chunk_recompute_strategy, group, threads, args.logprobs_mode)
     if device.type == "cuda" and not args.enforce_eager:
         runner.capture_graphs(args.max_num_seqs, loaded.max_model_len, _verification_graphs(args))
     return DeviceSide(loaded, shape, weights, num_blocks, num_cpu_blocks, runner)

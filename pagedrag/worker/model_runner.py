@@ -220,18 +220,19 @@ class ModelRunner:
     """
 
     def __init__(self, model: torch.nn.Module, cache: KVCacheTensors, block_size: int,
-                 device: torch.device, eos_token_id: int | None = None, recompute_strategy: str = "first",
-                 group: TensorParallelGroup = SINGLE, threads: ThreadTuner | None = None):
+                 device: torch.device, eos_token_ids: frozenset[int] = frozenset(),
+                 recompute_strategy: str = "first", group: TensorParallelGroup = SINGLE,
+                 threads: ThreadTuner | None = None, logprobs_mode: str = "raw_logprobs"):
         self.model = model
         self.recompute_strategy = recompute_strategy  # chunk reuse: worker.recompute_selection
         self.cache = cache
         self.block_size = block_size
         self.device = device
-        self.eos_token_id = eos_token_id  # the tokenizer's; min_tokens keeps it from being sampled
+        self.eos_token_ids = eos_token_ids  # the model's; min_tokens keeps them from being sampled
         self.group = group
         self.threads = threads  # CPU: the thread count per step size, by measurement
         self.ops = kernels.ops_for(device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self.graphs: StepGraphs | None = None
         if device.type == "cpu":
             _store_weights_column_major(model)
@@ -429,7 +430,7 @@ class ModelRunner:
         batch = SamplingBatch.from_params(
             [r.params for r in requests], [r.generator for r in requests],
             [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
-            self.device, self.eos_token_id, [r.bad_words_token_ids for r in requests],
+            self.device, self.eos_token_ids, [r.bad_words_token_ids for r in requests],
             fill_masks([r.grammar for r in requests], logits.shape[-1], self.device))
         rows = host_to_device([row.logits_row for row in plan], torch.int64, self.device)
         return InflightTokens.start(requests, self.sampler(logits[rows], batch))
@@ -438,4 +439,4 @@ class ModelRunner:
     def verify(self, logits: torch.Tensor, rows: list[VerifyRow]) -> list[Verified]:
         """Verify the drafts of ``rows`` against their rows of ``logits`` (from ``execute``);
         waits for the results (speculative decoding runs with synchronous scheduling)."""
-        return verify(logits, rows, self.eos_token_id) if rows else []
+        return verify(logits, rows, self.eos_token_ids, self.sampler.logprobs_mode) if rows else []

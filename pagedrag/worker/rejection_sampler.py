@@ -2,8 +2,8 @@
 
 A request that carried a draft x_1..x_d has d + 1 logits rows: row j scores the token after
 its known tokens and x_1..x_j. Each row is shaped exactly as the Sampler shapes a row
-(worker.sampler: penalties, logit_bias, allowed tokens, bans, the grammar, then temperature,
-top-k, top-p, min-p), with the row's output history extended by the drafted tokens before it
+(worker.sampler: allowed tokens, bans, logit_bias, penalties, the grammar, then temperature,
+min-p, top-k, top-p), with the row's output history extended by the drafted tokens before it
 and its grammar's mask taken after them, so row j sees what a step without speculation would
 see once x_1..x_j were accepted.
 
@@ -30,8 +30,8 @@ import torch
 
 from pagedrag.core.request import Request
 from pagedrag.structured.masks import fill_draft_masks
-from pagedrag.worker.sampler import (Sample, SamplingBatch, filter_logits, process_logits, sample_from,
-                                     with_logprobs)
+from pagedrag.worker.sampler import (Sample, SamplingBatch, filter_logits, process_logits, reported_values,
+                                     sample_from, with_logprobs)
 from pagedrag.worker.transfer import host_to_device
 
 
@@ -57,11 +57,14 @@ class Verified:
         return len(self.samples) - 1
 
 
-def verify(logits: torch.Tensor, rows: list[VerifyRow], eos_token_id: int | None) -> list[Verified]:
-    """Verify every row's draft (``logits``: the step's logits; rows index into it)."""
+def verify(logits: torch.Tensor, rows: list[VerifyRow], eos_token_ids: frozenset[int],
+           logprobs_mode: str = "raw_logprobs") -> list[Verified]:
+    """Verify every row's draft (``logits``: the step's logits; rows index into it); the
+    samples' logprobs as the Sampler reports them in ``logprobs_mode``."""
     index = [row.first_row + j for row in rows for j in range(len(row.draft) + 1)]
-    batch = _draft_batch(rows, logits.shape[-1], logits.device, eos_token_id)
-    processed = process_logits(logits[host_to_device(index, torch.long, logits.device)].float(), batch)
+    batch = _draft_batch(rows, logits.shape[-1], logits.device, eos_token_ids)
+    raw = logits[host_to_device(index, torch.long, logits.device)].float()
+    processed = process_logits(raw, batch)
     greedy = processed.argmax(dim=-1).tolist()
     filtered = None if batch.all_greedy else filter_logits(processed, batch)
     chosen, emitted, offset = [], [], 0
@@ -72,11 +75,12 @@ def verify(logits: torch.Tensor, rows: list[VerifyRow], eos_token_id: int | None
         chosen.extend(tokens + [0] * (span - len(tokens)))  # rows past the emitted ones are unread
         offset += span
     token_ids = host_to_device(chosen, torch.long, logits.device)
-    samples = with_logprobs(processed, token_ids, batch).to_host()
+    samples = with_logprobs(*reported_values(logprobs_mode, raw, processed, filtered, batch), token_ids,
+                            batch).to_host()
     return _split(rows, emitted, samples)
 
 
-def _draft_batch(rows: list[VerifyRow], vocab_size: int, device: torch.device, eos_token_id: int | None
+def _draft_batch(rows: list[VerifyRow], vocab_size: int, device: torch.device, eos_token_ids: frozenset[int]
                  ) -> SamplingBatch:
     """The sampling batch of every verification row: row j of a request has its parameters, its
     output so far followed by the first j drafted tokens, and its grammar's mask after them."""
@@ -91,7 +95,7 @@ def _draft_batch(rows: list[VerifyRow], vocab_size: int, device: torch.device, e
             bad_words.append(request.bad_words_token_ids)
     grammar = fill_draft_masks([row.request.grammar for row in rows], [row.draft for row in rows], vocab_size,
                                device)
-    return SamplingBatch.from_params(params, generators, prompts, outputs, device, eos_token_id, bad_words, grammar)
+    return SamplingBatch.from_params(params, generators, prompts, outputs, device, eos_token_ids, bad_words, grammar)
 
 
 def _target_of(row: VerifyRow, offset: int, greedy: list[int], filtered: torch.Tensor | None

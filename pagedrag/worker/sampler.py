@@ -1,16 +1,22 @@
 """Turn each sequence's last-position logits into its next token.
 
-One step, for a batch of N rows (one per sampling sequence) over a vocabulary of V:
+One step, for a batch of N rows (one per sampling sequence) over a vocabulary of V, in
+vLLM's order:
 
-1. processed logits = raw logits, with penalties (repetition, then frequency and
-   presence), logit_bias added, tokens outside allowed_token_ids at -inf, banned
-   tokens at -inf (stop tokens under min_tokens; the token that would complete a bad
-   word), and tokens a row's grammar does not allow now at -inf (structured outputs);
-2. logprobs are read from log_softmax(processed logits), before temperature;
+1. logprobs (``logprobs_mode`` "raw_logprobs", the default) are read from log_softmax(raw
+   logits), before anything below changes them;
+2. processed logits = raw logits with tokens outside allowed_token_ids at -inf, banned
+   tokens at -inf (the token that would complete a bad word; stop and EOS tokens under
+   min_tokens), logit_bias added, then the penalties (repetition, then frequency and
+   presence), and tokens a row's grammar does not allow now at -inf (structured outputs);
 3. greedy rows (temperature 0) take argmax(processed logits), exactly;
-4. other rows: divide by temperature, keep top-k, then top-p (over the top-k
-   renormalised), then min-p, and sample with the exponential race
-   argmax(probs / E), E ~ Exp(1) i.i.d. per token.
+4. other rows: divide by temperature, then min-p, top-k, then top-p (over the top-k
+   renormalised), and sample with the exponential race argmax(probs / E), E ~ Exp(1)
+   i.i.d. per token.
+
+The other logprobs modes read "raw_logits" (the raw logits themselves), or the row's
+logits after everything it was sampled under, as logprobs or logits ("processed_logprobs",
+"processed_logits": step 2, and for a sampled row step 4's temperature and filters too).
 
 Invariants:
 - Everything is batched tensor work on the logits' device; the only python loop
@@ -71,7 +77,7 @@ class SamplingBatch:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         device: torch.device | str,
-        eos_token_id: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
         bad_words_token_ids: list[list[list[int]]] | None = None,
         grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingBatch:
@@ -80,8 +86,8 @@ class SamplingBatch:
         ``generators[i]`` must live on ``device`` (``torch.Generator(device)``), and is
         kept by the caller across steps. ``output_token_ids[i]`` are the tokens row i
         generated so far: they drive the penalties and the min_tokens ban, which keeps
-        ``stop_token_ids`` (and ``eos_token_id`` unless ignore_eos) from being sampled
-        while fewer than ``min_tokens`` tokens were generated. ``bad_words_token_ids[i]`` are
+        ``stop_token_ids`` and every id of ``eos_token_ids`` (unless ignore_eos) from being
+        sampled while fewer than ``min_tokens`` tokens were generated. ``bad_words_token_ids[i]`` are
         row i's bad words as token sequences (the engine tokenizes SamplingParams.bad_words).
         ``grammar`` is (rows, bitmask) from ``pagedrag.structured.masks.fill_masks``.
         """
@@ -97,7 +103,7 @@ class SamplingBatch:
             num_logprobs=[p.logprobs or 0 for p in params],
             needs_ranks=any(p.logprobs is not None for p in params),
             penalties=Penalties.from_params(params, prompt_token_ids, output_token_ids, device),
-            banned=_banned(params, output_token_ids, eos_token_id, bad_words_token_ids, device),
+            banned=_banned(params, output_token_ids, eos_token_ids, bad_words_token_ids, device),
             bias=_logit_bias(params, device),
             allowed=_allowed(params, device),
             grammar=grammar,
@@ -177,7 +183,7 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
 def _banned(
     params: list[SamplingParams],
     output_token_ids: list[list[int]],
-    eos_token_id: int | None,
+    eos_token_ids: frozenset[int],
     bad_words_token_ids: list[list[list[int]]] | None,
     device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -188,10 +194,8 @@ def _banned(
     pairs = []
     for row, (p, output) in enumerate(zip(params, output_token_ids)):
         if len(output) < p.min_tokens and p.structured_outputs is None:
-            stops = list(p.stop_token_ids)
-            if eos_token_id is not None and not p.ignore_eos:
-                stops.append(eos_token_id)
-            pairs.extend((row, token) for token in stops)
+            stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | eos_token_ids
+            pairs.extend((row, token) for token in sorted(stops))
         for word in (bad_words_token_ids[row] if bad_words_token_ids else ()):
             if len(word) == 1 or output[len(output) - len(word) + 1:] == word[:-1]:
                 pairs.append((row, word[-1]))
@@ -226,8 +230,8 @@ class Sample:
     """One row's result on the host."""
 
     token_id: int
-    logprob: float  # of token_id, from the processed logits before temperature
-    rank: int  # of token_id among the processed logits (1 = the most likely; 0 when no row asked for logprobs)
+    logprob: float  # of token_id, as the logprobs mode reports it (raw logprobs by default)
+    rank: int  # of token_id among those values (1 = the most likely; 0 when no row asked for logprobs)
     top_logprobs: dict[int, float]  # the row's num_logprobs most likely tokens, best first
 
 
@@ -272,32 +276,50 @@ def _row_sample(row: list[float], num_logprobs: int) -> Sample:
 
 
 class Sampler:
-    """Stateless: all per-request state (generators, history) lives in SamplingBatch."""
+    """Stateless: all per-request state (generators, history) lives in SamplingBatch.
+    ``logprobs_mode``: what logprobs report (EngineArgs.logprobs_mode; see the module doc)."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs"):
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token per row of ``logits`` [N, V]."""
-        logits = process_logits(logits.float(), batch)
-        greedy_ids = logits.argmax(dim=-1)
+        raw = logits.float()
+        processed = process_logits(raw, batch)
+        greedy_ids = processed.argmax(dim=-1)
+        filtered = None
         if batch.all_greedy:
             token_ids = greedy_ids
         else:
-            sampled_ids = sample_from(filter_logits(logits, batch), batch.generators)
-            token_ids = torch.where(batch.temperatures == 0, greedy_ids, sampled_ids)
-        return with_logprobs(logits, token_ids, batch)
+            filtered = filter_logits(processed, batch)
+            token_ids = torch.where(batch.temperatures == 0, greedy_ids, sample_from(filtered, batch.generators))
+        return with_logprobs(*reported_values(self.logprobs_mode, raw, processed, filtered, batch), token_ids, batch)
+
+
+def reported_values(mode: str, raw: torch.Tensor, processed: torch.Tensor, filtered: torch.Tensor | None,
+                    batch: SamplingBatch) -> tuple[torch.Tensor, bool]:
+    """(the values logprobs report, whether they are normalised into logprobs) in ``mode``:
+    the raw logits, or each row's logits as it was sampled (``filtered`` for rows that sample,
+    ``processed`` for greedy ones)."""
+    values = raw
+    if mode.startswith("processed"):
+        values = processed if filtered is None else torch.where((batch.temperatures == 0).unsqueeze(1),
+                                                                 processed, filtered)
+    return values, mode.endswith("logprobs")
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Penalties, logit_bias, allowed_token_ids, the bans and the grammars: the logits that
-    logprobs and greedy see."""
-    if batch.penalties is not None:
-        logits = batch.penalties.apply(logits)
-    if batch.bias is not None:
-        rows, tokens, values = batch.bias
-        logits = logits.index_put((rows, tokens), values, accumulate=True)
+    """allowed_token_ids, the bans, logit_bias, the penalties and the grammars, in vLLM's
+    order: the logits greedy sees."""
     if batch.allowed is not None:
         logits = logits.masked_fill(_outside_allowed(logits, *batch.allowed), float("-inf"))
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, logits.new_tensor(float("-inf")))
+    if batch.bias is not None:
+        rows, tokens, values = batch.bias
+        logits = logits.index_put((rows, tokens), values, accumulate=True)
+    if batch.penalties is not None:
+        logits = batch.penalties.apply(logits)
     if batch.grammar is not None:
         logits = logits.masked_fill(_outside_grammar(logits, *batch.grammar), float("-inf"))
     return logits
@@ -320,13 +342,13 @@ def _outside_allowed(logits: torch.Tensor, restricted: torch.Tensor, rows: torch
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p; removed tokens get -inf logits."""
+    """Temperature, then min-p, top-k and top-p (vLLM's order); removed tokens get -inf logits."""
     temperatures = torch.where(batch.temperatures == 0, 1.0, batch.temperatures)
     logits = logits / temperatures.unsqueeze(1)
-    if batch.needs_top_k_top_p:
-        logits = logits.masked_fill(_top_k_top_p_mask(logits, batch.top_ks, batch.top_ps), float("-inf"))
     if batch.needs_min_p:
         logits = logits.masked_fill(_min_p_mask(logits, batch.min_ps), float("-inf"))
+    if batch.needs_top_k_top_p:
+        logits = logits.masked_fill(_top_k_top_p_mask(logits, batch.top_ks, batch.top_ps), float("-inf"))
     return logits
 
 
@@ -368,15 +390,17 @@ def sample_from(logits: torch.Tensor, generators: list[torch.Generator | None]) 
     return (probs / noise).argmax(dim=-1)
 
 
-def with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """Logprob of each sampled token, and the top ones when any row asked for them."""
-    log_norm = logits.logsumexp(dim=-1)
-    chosen = logits.gather(1, token_ids.unsqueeze(1))
+def with_logprobs(values: torch.Tensor, normalised: bool, token_ids: torch.Tensor,
+                  batch: SamplingBatch) -> SamplerOutput:
+    """The reported value of each sampled token (``values`` as logprobs when ``normalised``, else
+    as they are: see reported_values), its rank, and the top ones when any row asked for them."""
+    log_norm = values.logsumexp(dim=-1) if normalised else values.new_zeros(values.shape[0])
+    chosen = values.gather(1, token_ids.unsqueeze(1))
     logprobs = chosen.squeeze(1) - log_norm
     # rank 0 means "not computed": only rows that asked for logprobs read it
-    ranks = (logits > chosen).sum(dim=-1) + 1 if batch.needs_ranks else torch.zeros_like(token_ids)
+    ranks = (values > chosen).sum(dim=-1) + 1 if batch.needs_ranks else torch.zeros_like(token_ids)
     top_token_ids = top_logprobs = None
     if batch.max_num_logprobs > 0:
-        top = logits.topk(batch.max_num_logprobs, dim=-1)
+        top = values.topk(batch.max_num_logprobs, dim=-1)
         top_token_ids, top_logprobs = top.indices, top.values - log_norm.unsqueeze(1)
     return SamplerOutput(token_ids, logprobs, ranks, top_token_ids, top_logprobs, batch.num_logprobs)

@@ -87,7 +87,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = {check_int("a logit_bias token id", int(k) if isinstance(k, str) and k.isdigit() else k):
                            check_float("a logit_bias value", v) for k, v in (self.logit_bias or {}).items()}
-        self.allowed_token_ids = list(self.allowed_token_ids or [])
+        if self.allowed_token_ids is not None:  # None: every token; an empty list would allow none
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ParameterError("allowed_token_ids", "allowed_token_ids must not be empty (None: every token)")
         self.bad_words = list(self.bad_words or [])
         self._settle_structured_outputs()
         self._check_types()
@@ -124,7 +127,7 @@ class SamplingParams:
                            "the model's fast tokenizer, as vLLM does for fast tokenizers, which ignores it")
         for token_id in self.stop_token_ids:
             check_int("stop_token_ids", token_id)
-        for token_id in self.allowed_token_ids:
+        for token_id in self.allowed_token_ids or ():
             check_int("allowed_token_ids", token_id)
         for word in self.bad_words:
             if not isinstance(word, str) or not word:
@@ -182,7 +185,7 @@ class SamplingParams:
             ("logit_bias", all(-100 <= v <= 100 for v in self.logit_bias.values()),
              "logit_bias values must be in [-100, 100]"),
             ("logit_bias", len(self.logit_bias) <= MAX_TOKEN_LIST, f"at most {MAX_TOKEN_LIST} logit_bias entries"),
-            ("allowed_token_ids", len(self.allowed_token_ids) <= MAX_TOKEN_LIST,
+            ("allowed_token_ids", len(self.allowed_token_ids or ()) <= MAX_TOKEN_LIST,
              f"at most {MAX_TOKEN_LIST} allowed_token_ids"),
             ("bad_words", len(self.bad_words) <= MAX_STOP_STRINGS
              and all(len(w) <= MAX_STOP_STRING_CHARS for w in self.bad_words),

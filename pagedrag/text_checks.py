@@ -16,6 +16,23 @@ def check_utf8(name: str, text: str) -> None:
                          f"{text[error.start]!r} at character {error.start}") from None
 
 
+def check_utf8_within(value: object, path: str) -> None:
+    """Refuse any string, key or value, at any depth of lists and dicts, that is not valid
+    UTF-8 (check_utf8, naming where it is). Iterative: nesting as deep as a JSON parser allows
+    never exhausts the stack."""
+    pending = [(value, path)]
+    while pending:
+        item, where = pending.pop()
+        if isinstance(item, str):
+            check_utf8(where, item)
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                pending.append((key, f"a key of {where}"))
+                pending.append((inner, f"{where}.{key}" if isinstance(key, str) else where))
+        elif isinstance(item, (list, tuple)):
+            pending.extend((inner, f"{where}[{index}]") for index, inner in enumerate(item))
+
+
 def check_int(name: str, value: object) -> int:
     """An int (a numpy integer becomes one), never a bool (True is an int to Python, not to a
     JSON client)."""

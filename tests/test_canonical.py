@@ -346,6 +346,9 @@ def test_volatile_system_prompt_warns_once_per_distinct_prompt():
     ("trace deadbeefcafe12345678", ["hex_id"]),
     ("user_id=alice, session: s-991 and user=bob", ["user_id", "session_id", "user_id"]),
     ("Answer the user: be brief, use 2 sentences, cite section 4.2.", []),
+    ("on 2024/05/01, 01.05.2024 or 2024-5-1", ["date", "date", "date"]),
+    ("User: bob\nThe documents follow.", ["user_id"]),  # a user's name alone on its line
+    ("User: What is a block?\nAssistant: A unit of the pool.", []),  # a few-shot turn is no id
 ])
 def test_detect_volatile(text, kinds):
     assert [kind for kind, _ in detect_volatile(text)] == kinds

@@ -170,6 +170,18 @@ def test_cli_with_files_and_literals(tok, tmp_path, capsys):
     assert "no prefix cache miss" in capsys.readouterr().out.splitlines()[-1]
 
 
+def test_cli_files_keep_their_line_endings(tok, tmp_path, capsys):
+    """A CRLF file against an LF one tokenizes apart, and the CLI says so (its files are read
+    as they are, not with Python's newline translation)."""
+    path_a, path_b = tmp_path / "crlf.txt", tmp_path / "lf.txt"
+    text = PREAMBLE + "\n" + DOCS[0] + "\n"
+    path_a.write_bytes(text.replace("\n", "\r\n").encode())
+    path_b.write_bytes(text.encode())
+    assert run(_args(str(path_a), str(path_b), "--block-size", "8")) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("prefix cache miss at block") and "whitespace" in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (("only-one.txt",), "expected 2 prompt file(s)"),
     (("--text-a", "x", "--text-b", "y", "extra.txt"), "expected 0 prompt file(s)"),

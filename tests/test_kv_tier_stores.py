@@ -112,6 +112,73 @@ def test_a_directory_at_a_blocks_path_is_a_miss_that_is_removed(tmp_path):
     assert store.enabled and store.used_bytes <= 3 * one and store.get(_key(7)) is not None
 
 
+def test_files_the_tier_did_not_write_are_never_counted_evicted_nor_swept(tmp_path):
+    """A kv_disk_path that holds other data keeps every file that is not named as the tier names
+    its own, however old, and whatever it ends in."""
+    one = len(disk_format.encode(_key(0), KEYSPACE, _block(0)))
+    foreign = [tmp_path / "backups" / "2024" / "weights.kv", tmp_path / KEYSPACE[:16] / "ab" / "notes.kv",
+               tmp_path / KEYSPACE[:16] / "zz" / f"{_key(1).hex()}.kv",
+               tmp_path / "backups" / "2024" / f"x.kv{'.tmp-'}{'0' * 32}"]
+    for path in foreign:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"user data" * 1000)
+        os.utime(path, (1, 1))  # older than any block
+    store = DiskStore(tmp_path, 3 * one, KEYSPACE)
+    assert store.used_bytes == 0
+    for seed in range(8):
+        store.put(_key(seed), _block(seed))
+    assert all(path.read_bytes() == b"user data" * 1000 for path in foreign)
+    assert store.used_bytes <= 3 * one
+
+
+def test_a_symlink_or_a_file_in_a_directorys_place_is_dropped_and_the_tier_stays_on(tmp_path):
+    store = DiskStore(tmp_path, 1 << 20, KEYSPACE)
+    looping = store.path_of(_key(1))
+    looping.parent.mkdir(parents=True)
+    os.symlink(looping.name, looping)  # a symlink to itself: ELOOP
+    in_the_way = store.path_of(_key(2)).parent
+    if in_the_way == looping.parent:
+        pytest.skip("the two keys share a directory")
+    in_the_way.write_bytes(b"not a directory")
+    again = DiskStore(tmp_path, 1 << 20, KEYSPACE)  # opening (a recount) passes both by
+    assert again.enabled and again.get(_key(1)) is None and not os.path.lexists(looping)
+    assert again.put(_key(2), _block(2)) and torch.equal(again.get(_key(2)).kv, _block(2).kv)
+    assert again.enabled and again.num_dropped == 2
+
+
+def test_a_negative_count_is_recounted_and_a_put_says_whether_it_wrote(tmp_path):
+    store = DiskStore(tmp_path, 1 << 20, KEYSPACE)
+    assert store.put(_key(5), _block(5)) and not store.put(_key(5), _block(5))
+    (tmp_path / _COUNT_FILE).write_bytes(b"-9999999999\n")
+    assert store.put(_key(6), _block(6)) and store.used_bytes == _block_bytes_and_count(tmp_path)[1]
+
+
+def test_a_block_the_pool_keeps_serving_stays_in_the_tiers_longest(tmp_path):
+    """The tiers write each block once (write-through); a block that keeps hitting in the pool is
+    refreshed in their LRU order (KVTiers.refresh), so it is not the first to go."""
+    from pagedrag.kv_tiers.cost_model import TierCostModel
+    from pagedrag.kv_tiers.tiers import KVTiers
+
+    one = len(disk_format.encode(_key(0), KEYSPACE, _block(0)))
+    host = HostStore(3 * _block(0).num_bytes, SHAPE, torch.float32)
+    disk = DiskStore(tmp_path, 3 * one, KEYSPACE)
+    tiers = KVTiers([disk, host], KEYSPACE, TierCostModel(4))
+    hashes = [seed.to_bytes(32, "little") for seed in range(6)]
+    for seed in range(3):
+        tiers.write([(hashes[seed], _block(seed).token_ids, b"")], _block(seed).kv.unsqueeze(0), None)
+        tiers.written().result()
+        os.utime(disk.path_of(tiers.key(hashes[seed])), (1000 + seed, 1000 + seed))
+    tiers.refresh([hashes[0]])  # block 0 hit in the pool
+    tiers.refresh([hashes[0]])  # again at once: not touched twice
+    for seed in range(3, 5):
+        tiers.write([(hashes[seed], _block(seed).token_ids, b"")], _block(seed).kv.unsqueeze(0), None)
+    tiers.written().result()
+    assert [store.contains(tiers.key(hashes[0])) for store in (host, disk)] == [True, True]
+    assert not any(store.contains(tiers.key(hashes[1])) for store in (host, disk))
+    assert tiers.stats.bytes["host_to_disk"] == 5 * _block(0).num_bytes  # each block written once
+    tiers.close()
+
+
 _WRITER = """
 import sys, torch
 from pagedrag.kv_tiers.disk_store import _COUNT_FILE, DiskStore

@@ -277,10 +277,12 @@ def test_warm_fills_the_tier_for_a_later_engine(tiny, tmp_path):
                                  {"kv_disk_path": ""}, {"kv_disk_size": 4},
                                  {"kv_disk_path": "x", "enable_prefix_caching": False},
                                  {"kv_offloading_size": 1e-9}, {"kv_disk_path": "x", "kv_disk_size": 1e-9},
-                                 {"kv_disk_path": __file__}])
+                                 {"kv_disk_path": __file__}, {"kv_offloading_size": 1e6},
+                                 {"kv_disk_path": "x", "kv_disk_size": 8192 / 2**30}])
 def test_bad_tier_arguments_are_refused_by_name(tiny, bad):
-    """Refused by name: out-of-range sizes, a size that holds no block, a disk size without a
-    directory, a path that is a file."""
+    """Refused by name: out-of-range sizes, a size that holds no block (on disk: no block's
+    file, which is its 8 KiB of K/V and a header), a host tier past the memory there is, a
+    disk size without a directory, a path that is a file."""
     with pytest.raises(ValueError, match="kv_"):
         LLM(str(tiny[0]), **ENGINE, **bad)
 

@@ -274,10 +274,13 @@ def _assert_error(response: httpx.Response, status: int) -> dict:
     ({"prompt": "x", "n": "many"}, "n"),  # a pydantic validation error (FastAPI's 422)
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "stop_token_ids": [10 ** 9]}, "stop_token_ids"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, None),  # without stream, as OpenAI
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream, as OpenAI
     ({"prompt": "x", "cache_salt": "s" * 5000}, "cache_salt"),
     ({"prompt": "x", "cache_salt": ""}, "cache_salt"),  # as vLLM: an empty salt is not "no salt"
-    ({"prompt": "x", "echo": True}, None),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),  # as vLLM: an empty list allows nothing
+    ({"prompt": "x", "priority": 5}, "priority"),  # first come, first served
+    ({"prompt": "x", "length_penalty": 2.0}, "length_penalty"),  # beam search's
     ({"prompt": []}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": [10 ** 9]}, "prompt"),  # a token id outside the vocabulary
@@ -293,6 +296,9 @@ def test_bad_completion_is_400(server, body, param):
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
     {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+    {"messages": [{"role": "user", "content": "hi"}], "echo": True},
+    {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True},
+    {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"grammar": "root ::= root"}},
 ])
 def test_bad_chat_is_400(server, body):
     _assert_error(_post(server.base_url, "/v1/chat/completions", body), 400)
@@ -305,11 +311,36 @@ def test_bad_chat_is_400(server, body):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"temperature": -0.5}, "temperature"),
     ({"cache_salt": "s" * 5000}, "cache_salt"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
 ])
 def test_a_chat_error_names_the_field_the_client_sent(server, fields, param):
     body = {"messages": [{"role": "user", "content": "hi"}], **fields}
     error = _assert_error(_post(server.base_url, "/v1/chat/completions", body), 400)
     assert error["param"] == param and param in error["message"]
+
+
+def test_vllms_request_fields_are_honoured(server, engine):
+    """request_id names the response, return_tokens_as_token_ids the logprobs' tokens,
+    add_special_tokens and continue_final_message shape the prompt, documents reach the
+    template, and a role of the model's template (not OpenAI's) is taken, as vLLM takes them."""
+    tokenizer = engine.get_tokenizer()
+    completion = _post(server.base_url, "/v1/completions", _greedy(
+        prompt="The Sun is", max_tokens=2, logprobs=1, request_id="mine-1", return_tokens_as_token_ids=True,
+        add_special_tokens=False)).json()
+    assert completion["id"] == "cmpl-mine-1"
+    assert all(token.startswith("token_id:") for token in completion["choices"][0]["logprobs"]["tokens"])
+    assert completion["usage"]["prompt_tokens"] == len(tokenizer.encode("The Sun is", add_special_tokens=False))
+    messages = [{"role": "user", "content": "Greet me."}, {"role": "assistant", "content": "Hello"}]
+    continued = _post(server.base_url, "/v1/chat/completions", _greedy(
+        messages=messages, max_tokens=2, add_generation_prompt=False, continue_final_message=True,
+        documents=[{"title": "a", "text": "b"}])).json()
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                             continue_final_message=True)
+    assert expected.endswith("Hello")
+    assert continued["usage"]["prompt_tokens"] == len(tokenizer.encode(expected, add_special_tokens=False))
+    custom_role = _post(server.base_url, "/v1/chat/completions", _greedy(
+        messages=[{"role": "chatbot", "content": "Hi."}, {"role": "user", "content": "Hello?"}], max_tokens=1))
+    assert custom_role.status_code == 200, custom_role.text
 
 
 def test_malformed_json_is_400(server):

@@ -30,12 +30,16 @@ from pagedrag.sampling_params import SamplingParams
 from pagedrag.server.protocol import MAX_PROMPTS_PER_REQUEST
 from pagedrag.client.types import (EngineClient, EngineInfo, Generation, Prompt, TokenLogprob, ToolRequest,
                                    WarmSummary, tier_hits)
+from pagedrag.text_checks import check_utf8_within
 from pagedrag.tools import ToolCall
 
 # SamplingParams fields that the SDK's create() names, always sent; the others are extras
 _OPENAI_FIELDS = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "stop",
                   "max_tokens")
 _ROUTE_FIELDS = ("logprobs",)  # named differently by the two routes (see _logprobs_body)
+# Read by the client itself (its streams are pieces of its own) or by nothing (plugins' extra_args):
+# never sent to the server
+_CLIENT_FIELDS = ("output_kind", "extra_args")
 _DEFAULTS = dataclasses.asdict(SamplingParams())
 # The SDK wants a key; a server without --api-key ignores it (vLLM's documented placeholder).
 # Never left to the SDK: it would send the OPENAI_API_KEY of the environment to this server.
@@ -140,7 +144,9 @@ class RemoteClient(EngineClient):
 
     async def _create(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None, stream: bool,
                       tools: ToolRequest | None = None, chunks: tuple[str, ...] | None = None):
-        """A completion (text) or chat (messages) request through the SDK."""
+        """A completion (text) or chat (messages) request through the SDK; text that is not
+        UTF-8 is refused here, as the engine refuses it (the SDK could not send it)."""
+        check_utf8_within(prompt, "prompt" if isinstance(prompt, str) else "messages")
         options = {"model": await self._model_name(), "stream": stream, **_sampling_body(params, cache_salt, chunks),
                    **_logprobs_body(params.logprobs, completion=isinstance(prompt, str))}
         if stream:
@@ -167,8 +173,10 @@ def _sampling_body(params: SamplingParams, cache_salt: str | None,
     """The SDK's named sampling arguments, and ``extra_body`` with the extras that differ
     from their defaults (and the salt and the chunks, if any)."""
     fields = dataclasses.asdict(params)
+    if not params.detokenize:
+        raise ValueError("detokenize=False needs an in-process engine: a server's answers are text")
     extras = {name: value for name, value in fields.items()
-              if name not in _OPENAI_FIELDS and name not in _ROUTE_FIELDS and value != _DEFAULTS[name]}
+              if name not in (*_OPENAI_FIELDS, *_ROUTE_FIELDS, *_CLIENT_FIELDS) and value != _DEFAULTS[name]}
     return {**{name: fields[name] for name in _OPENAI_FIELDS},
             "extra_body": {**extras, **_salt_and_chunks(cache_salt, chunks)}}
 

@@ -367,6 +367,7 @@ class Scheduler:
         if self.kv.tier_loads is not None:  # the table holds the loaded blocks now
             if first_time:
                 request.num_tier_hit_tokens = self.kv.tier_loads.count_tier_hits(request, hits, plan)
+                self.kv.tier_loads.refresh(hits)
             self.kv.tier_loads.release(request)
         request.exact_prefix_len, request.imported_segments, request.copied_blocks = None, set(), set()
         imports = self.kv.chunks.admit(request, plan, self.kv.tables[request.request_id], first_time) if plan else []

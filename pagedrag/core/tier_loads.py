@@ -250,6 +250,11 @@ class TierLoads:
             self.tiers.stats.served(tier, tokens)
         return served
 
+    def refresh(self, hits: list[KVBlock]) -> None:
+        """An admitted request's pool hits count as uses in the tiers too (KVTiers.refresh)."""
+        if hits:
+            self.tiers.refresh([block.block_hash for block in hits])
+
     # ---- release ------------------------------------------------------------------------------
     def release(self, request: Request) -> None:
         """The request was admitted or freed: forget its loads. A load still running is left to

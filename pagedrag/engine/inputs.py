@@ -370,7 +370,7 @@ class InputProcessor:
                                       f"{self.max_num_seqs} lets run at once")
         self._check_in_vocab("stop_token_ids", "stop_token_ids", params.stop_token_ids)
         self._check_in_vocab("logit_bias", "logit_bias token ids", list(params.logit_bias))
-        self._check_in_vocab("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids)
+        self._check_in_vocab("allowed_token_ids", "allowed_token_ids", params.allowed_token_ids or [])
         if (params.stop or params.bad_words) and self.tokenizer is None:
             raise ParameterError("stop" if params.stop else "bad_words",
                                  "stop strings and bad_words need a tokenizer, and this model has none; "

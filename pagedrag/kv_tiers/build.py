@@ -11,11 +11,13 @@ import torch
 
 from pagedrag.config import GIB_BYTES, EngineArgs
 from pagedrag.distributed.group import TensorParallelGroup
+from pagedrag.kv_tiers import disk_format
 from pagedrag.kv_tiers.cost_model import TierCostModel
 from pagedrag.kv_tiers.disk_store import DiskStore
 from pagedrag.kv_tiers.host_store import HostStore
 from pagedrag.kv_tiers.keyspace import KeySpace, config_fingerprint, weights_fingerprint
 from pagedrag.kv_tiers.tiers import KVTiers
+from pagedrag.worker.kv_cache import available_cpu_memory
 
 logger = logging.getLogger("pagedrag")
 
@@ -34,9 +36,11 @@ def build_tiers(args: EngineArgs, weights: str, config, shape, device: torch.dev
     stores = []
     if args.kv_offloading_size:
         _check_holds_a_block("kv_offloading_size", args.kv_offloading_size, block_bytes)
+        _check_fits_in_memory(args.kv_offloading_size)
         stores.append(HostStore(args.kv_offloading_size * GIB_BYTES, block, shape.dtype, pin_memory=device.type == "cuda"))
     if args.kv_disk_path is not None:
-        _check_holds_a_block("kv_disk_size", args.resolved_kv_disk_size, block_bytes)
+        _check_holds_a_block("kv_disk_size", args.resolved_kv_disk_size,
+                             disk_format.max_file_bytes(block, shape.dtype, shape.block_size))
         stores.append(DiskStore(args.kv_disk_path, args.resolved_kv_disk_size * GIB_BYTES, keyspace, block, shape.dtype))
     for store in stores:
         logger.info("kv %s tier: %.2f GiB%s (keyspace %s)", store.name, store.capacity_bytes / GIB_BYTES,
@@ -48,6 +52,15 @@ def _check_holds_a_block(name: str, gib: float, block_bytes: int) -> None:
     if gib * GIB_BYTES < block_bytes:
         raise ValueError(f"{name}={gib!r} GiB holds no KV block: one block of this model takes {block_bytes} bytes "
                          f"({block_bytes / GIB_BYTES:.3g} GiB)")
+
+
+def _check_fits_in_memory(gib: float) -> None:
+    """The host tier is allocated up front (pinned on CUDA): more than the memory available
+    now would be paged out, or end the process when it fills."""
+    available = available_cpu_memory()
+    if gib * GIB_BYTES > available:
+        raise ValueError(f"kv_offloading_size={gib!r} GiB is more than the {available / GIB_BYTES:.1f} GiB of "
+                         "memory available on this machine now")
 
 
 def model_fingerprint(module: torch.nn.Module, group: TensorParallelGroup) -> str:

@@ -40,6 +40,14 @@ def encode(key: bytes, keyspace: str, block: StoredBlock) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
+def max_file_bytes(shape: tuple[int, ...], dtype: torch.dtype, num_tokens: int) -> int:
+    """The most bytes a file of a block of ``shape`` and ``dtype`` holding ``num_tokens`` takes
+    (header at its longest: every token id of ten digits)."""
+    header = json.dumps({"key": "0" * 64, "keyspace": "0" * 64, "token_ids": [10**10 - 1] * num_tokens,
+                         "computed_after": "0" * 64, "dtype": str(dtype), "shape": list(shape)}).encode()
+    return _FIXED + len(header) + ALIGNMENT + _num_bytes(shape, dtype) + _DIGEST_BYTES
+
+
 def decode(data, key: bytes, keyspace: str, shape: tuple[int, ...] | None = None,
            dtype: torch.dtype | None = None) -> StoredBlock | None:
     """The block in ``data`` (any bytes-like object) if it is a whole, intact file of ``key`` in

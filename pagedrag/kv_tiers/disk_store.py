@@ -1,8 +1,8 @@
 """The disk tier: one content-addressed file per block in a directory that outlives the process
 and that several engines (replicas on one host, or on a shared filesystem) may share.
 
-Layout: ``<root>/<keyspace fingerprint[:16]>/<key[:2]>/<key>.kv``, each file as
-disk_format.encode writes it, and ``<root>/used-bytes``: the shared byte count of every
+Layout: ``<root>/<keyspace fingerprint[:16]>/<key[:2]>/<key>.kv`` (lower-case hex names),
+each file as disk_format.encode writes it, and ``<root>/used-bytes``: the shared byte count of every
 keyspace's files (engines of other models, dtypes or checkpoints share the budget), and the
 lock (an exclusive ``flock`` on it) that every store sharing the directory takes to
 read-modify-write that count, publish a file or evict.
@@ -25,8 +25,13 @@ Invariants:
   wrote them, plus any blocks of killed writers left uncounted until a recount; transiently,
   while a put holds the lock, one block more, besides the temporary files of writes in
   flight. Puts never scan the directory (it may hold 100k files); open and eviction do.
-- A file that fails to decode, or anything else at a block's path (a directory, a FIFO), is
-  removed and counted (``num_dropped``), and is a miss. Eviction skips what it cannot remove.
+- Only what the store's own names match is ever counted, evicted or swept: a directory shared
+  with other files loses none of them. Of those, only regular files are counted and evicted.
+- A file that fails to decode, or anything else at a block's path (a directory, a FIFO, a
+  symlink), is removed and counted (``num_dropped``), and is a miss; so is a file where a
+  ``<key[:2]>`` directory belongs, when a write needs the directory. Eviction skips what it
+  cannot remove or read.
+- A count file holding no count, or a negative one, is recounted.
 - An OSError of the medium (ENOSPC, EROFS, EACCES, a vanished directory, a count file that
   cannot be created or locked) on open or write turns the store off with one warning; the
   engine goes on without it.
@@ -34,15 +39,17 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -55,6 +62,10 @@ _SUFFIX = ".kv"
 _TEMP_MARK = ".tmp-"
 _LOW_WATER = 0.9
 _COUNT_FILE = "used-bytes"
+_KEYSPACE_NAME = re.compile(r"[0-9a-f]{16}")
+_SHARD_NAME = re.compile(r"[0-9a-f]{2}")
+_BLOCK_NAME = re.compile(rf"([0-9a-f]{{2}})[0-9a-f]*{re.escape(_SUFFIX)}")
+_TEMPORARY_NAME = re.compile(rf"[0-9a-f]+{re.escape(_SUFFIX)}{re.escape(_TEMP_MARK)}[0-9a-f]{{32}}")
 
 
 class DiskStore:
@@ -85,18 +96,22 @@ class DiskStore:
     def _sweep_temporaries(self) -> None:
         """Remove temporary files older than a minute (left by a writer that was killed)."""
         cutoff = time.time() - 60
-        for path in self.root.glob(f"*/*/*{_TEMP_MARK}*"):
-            try:
-                if path.stat().st_mtime < cutoff:
-                    path.unlink()
-            except FileNotFoundError:
-                pass
+        for shard in self._shards():
+            for entry in _entries(shard.path):
+                if _TEMPORARY_NAME.fullmatch(entry.name) and _mtime(entry) < cutoff:
+                    with suppress(OSError):
+                        os.unlink(entry.path)
+
+    def _shards(self) -> list[os.DirEntry]:
+        """Every keyspace's ``<key[:2]>`` directories under the root, by the store's names."""
+        return [shard for keyspace in _subdirectories(self.root) if _KEYSPACE_NAME.fullmatch(keyspace.name)
+                for shard in _subdirectories(keyspace.path) if _SHARD_NAME.fullmatch(shard.name)]
 
     def _files(self) -> list[os.DirEntry]:
-        """Every keyspace's block files under the root (directories named like one excluded)."""
-        return [entry for keyspace in _subdirectories(self.root) for sub in _subdirectories(keyspace.path)
-                for entry in os.scandir(sub.path)
-                if entry.name.endswith(_SUFFIX) and not entry.is_dir(follow_symlinks=False)]
+        """Every keyspace's block files under the root: regular files named as the store names them."""
+        return [entry for shard in self._shards() for entry in _entries(shard.path)
+                if (name := _BLOCK_NAME.fullmatch(entry.name)) and name.group(1) == shard.name
+                and _is_regular(entry)]
 
     def _count_bytes(self) -> int:
         return sum(_size(entry) for entry in self._files())
@@ -133,19 +148,33 @@ class DiskStore:
         _touch(path)
         return block
 
-    def put(self, key: bytes, block: StoredBlock) -> None:
+    def touch(self, key: bytes) -> None:
+        if self.enabled:
+            _touch(self.path_of(key))
+
+    def put(self, key: bytes, block: StoredBlock) -> bool:
         if not self.enabled:
-            return
+            return False
         path = self.path_of(key)
         if path.exists():
             _touch(path)
-            return
+            return False
         data = disk_format.encode(key, self.keyspace, block)
         try:
+            self._make_shard(path.parent)
             with _temporary_copy(path, data) as temporary:
-                self._update_count(lambda used: self._publish(temporary, path, used))
+                published = []
+                self._update_count(lambda used: self._publish(temporary, path, used, published))
+            return bool(published)
         except OSError as error:
             self._turn_off(error)
+            return False
+
+    def _make_shard(self, directory: Path) -> None:
+        """The ``<key[:2]>`` directory of a write; anything else in its place is dropped first."""
+        if os.path.lexists(directory) and not directory.is_dir():
+            self._drop(directory)
+        directory.mkdir(exist_ok=True)
 
     # ---- the shared count ------------------------------------------------------------------
     def _update_count(self, change: Callable[[int], int], recount: bool = False) -> None:
@@ -163,12 +192,14 @@ class DiskStore:
         finally:
             os.close(fd)  # releases the lock
 
-    def _publish(self, temporary: Path, path: Path, used: int) -> int:
+    def _publish(self, temporary: Path, path: Path, used: int, published: list) -> int:
         """Under the lock: give the written temporary file its final name unless a file has it
-        already, and count it; returns the new count, evicting first if it is over capacity."""
+        already, and count it (noted in ``published``); returns the new count, evicting first
+        if it is over capacity."""
         try:
             os.link(temporary, path)
             used += temporary.stat().st_size
+            published.append(path)
         except FileExistsError:  # another writer published the same bytes, and counted them
             pass
         return self._evict() if used > self.capacity_bytes else used
@@ -215,9 +246,8 @@ class DiskStore:
 
 @contextmanager
 def _temporary_copy(path: Path, data: bytes) -> Iterator[Path]:
-    """``data`` in a temporary file beside ``path``, removed when the block ends (published or
-    not: a published file keeps its other name)."""
-    path.parent.mkdir(exist_ok=True)
+    """``data`` in a temporary file beside ``path`` (its directory exists), removed when the
+    block ends (published or not: a published file keeps its other name)."""
     temporary = path.with_name(f"{path.name}{_TEMP_MARK}{uuid.uuid4().hex}")
     try:
         with open(temporary, "wb") as file:
@@ -228,10 +258,12 @@ def _temporary_copy(path: Path, data: bytes) -> Iterator[Path]:
 
 
 def _read_count(fd: int) -> int | None:
+    """The count file's count; None when it holds none (just created, or damaged)."""
     try:
-        return int(os.pread(fd, 64, 0))
-    except ValueError:  # empty (just created) or damaged
+        count = int(os.pread(fd, 64, 0))
+    except ValueError:
         return None
+    return count if count >= 0 else None
 
 
 class _NotABlockFile(Exception):
@@ -242,9 +274,14 @@ def _read_file(path: Path, max_bytes: int) -> memoryview:
     """The file's bytes in an aligned buffer of their own (decode's tensor keeps it: no further
     copy). A read may return fewer bytes than asked for; only an end of file before the size
     the file had when opened is an error (an OSError: truncated meanwhile). Opened without
-    blocking (a FIFO planted there would block for ever); raises _NotABlockFile for anything
-    but a regular file of at most ``max_bytes``."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    blocking (a FIFO planted there would block for ever), without following a symlink; raises
+    _NotABlockFile for anything but a regular file of at most ``max_bytes``."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # a symlink (O_NOFOLLOW), looping or not
+            raise _NotABlockFile(path.name) from None
+        raise
     status = os.fstat(descriptor)
     if not stat.S_ISREG(status.st_mode) or status.st_size > max_bytes:
         os.close(descriptor)
@@ -261,7 +298,29 @@ def _read_file(path: Path, max_bytes: int) -> memoryview:
 
 
 def _subdirectories(path: str | os.PathLike) -> list[os.DirEntry]:
-    return [entry for entry in os.scandir(path) if entry.is_dir(follow_symlinks=False)]
+    return [entry for entry in _entries(path) if _is_directory(entry)]
+
+
+def _entries(path: str | os.PathLike) -> list[os.DirEntry]:
+    """The entries of a directory; none where it cannot be read (gone, or not a directory)."""
+    try:
+        return list(os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+
+
+def _is_directory(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _is_regular(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_file(follow_symlinks=False)
+    except OSError:
+        return False
 
 
 def _touch(path: Path) -> None:
@@ -273,13 +332,13 @@ def _touch(path: Path) -> None:
 
 def _size(entry: os.DirEntry) -> int:
     try:
-        return entry.stat().st_size
-    except FileNotFoundError:
+        return entry.stat(follow_symlinks=False).st_size
+    except OSError:  # removed meanwhile, or unreadable
         return 0
 
 
 def _mtime(entry: os.DirEntry) -> float:
     try:
-        return entry.stat().st_mtime
-    except FileNotFoundError:
+        return entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
         return 0.0

@@ -110,26 +110,33 @@ class HostStore:
             with self._lock:
                 self._draining.append((done, slots))
 
-    def put(self, key: bytes, block: StoredBlock) -> None:
-        """Keep a copy of ``block`` (a cache may drop anything: see the module's invariants)."""
+    def touch(self, key: bytes) -> None:
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+
+    def put(self, key: bytes, block: StoredBlock) -> bool:
+        """Keep a copy of ``block`` (a cache may drop anything: see the module's invariants);
+        True when it was copied in."""
         if not self.enabled:
-            return
+            return False
         with self._lock:
             if key in self._entries:  # a repeated put counts as a use
                 self._entries.move_to_end(key)
-                return
+                return False
         if (block.kv.shape, block.kv.dtype) != (self._block_shape, self._dtype):
             self.num_dropped += 1
-            return
+            return False
         slot = self._take_slot()
         if slot is None:
-            return
+            return False
         self._view(slot).copy_(block.kv)
         with self._lock:
             if key in self._entries:  # another thread put it meanwhile
                 self._free.add(slot)
-                return
+                return False
             self._entries[key] = _Entry(block.token_ids, slot, block.computed_after)
+        return True
 
     # ---- slots ---------------------------------------------------------------------------------
     def _view(self, slot: int) -> torch.Tensor:

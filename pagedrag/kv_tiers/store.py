@@ -63,7 +63,12 @@ class KVStore(Protocol):
 
     def get(self, key: bytes) -> StoredBlock | None: ...
 
-    def put(self, key: bytes, block: StoredBlock) -> None: ...
+    def put(self, key: bytes, block: StoredBlock) -> bool:
+        """Keep the block; True when this put wrote it (False: held already, which counts as a
+        use, or refused, or the store is off)."""
+
+    def touch(self, key: bytes) -> None:
+        """Count a use of the block, if held: it is then the last its LRU order lets go."""
 
     @property
     def used_bytes(self) -> int: ...

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +39,8 @@ logger = logging.getLogger("pagedrag")
 # Python, each take waits up to the interpreter's switch interval (5 ms by default). Beside a
 # busy loop a 2 MiB disk read took 66 ms at 5 ms, 9 ms at 0.5 ms (RESULTS.md, "KV tiers").
 GIL_SWITCH_INTERVAL_S = 0.0005
+REFRESH_EVERY_S = 30.0  # a pool hit refreshes a block's place in the tiers' LRU at most this often
+MAX_REFRESHED = 1 << 16  # blocks whose last refresh is remembered (the oldest forgotten first)
 
 
 class _ShortSwitchInterval:
@@ -116,6 +118,7 @@ class KVTiers:
         self._readers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedrag-kv-read")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrag-kv-write")  # FIFO
         self._host = next((store for store in self.stores if store.name == HOST_TIER), None)
+        self._refreshed: OrderedDict[bytes, float] = OrderedDict()  # block hash -> when refresh last ran for it
         self._release_switch_interval = None  # a weakref.finalize: runs once, by close() or collection
         if any(store.enabled and store is not self._host for store in self.stores):
             _SHORT_SWITCH_INTERVAL.hold()
@@ -204,10 +207,32 @@ class KVTiers:
             start, num_bytes = time.perf_counter(), 0
             for (block_hash, token_ids, computed_after), block_kv in zip(entries, kv):
                 block = StoredBlock(tuple(token_ids), block_kv, computed_after)  # stores copy what they keep
-                store.put(self.key(block_hash), block)
-                num_bytes += block.num_bytes
+                if store.put(self.key(block_hash), block):
+                    num_bytes += block.num_bytes
             if store is not self._host:
                 self.stats.moved(f"host_to_{store.name}", num_bytes, time.perf_counter() - start)
+
+    def refresh(self, block_hashes: Sequence[bytes]) -> None:
+        """Count a use, in every tier, of blocks the pool served: a block hot in the pool is not
+        written again (writes are write-through), so without this the tiers' LRU order would let
+        it go by the age of its first write. At most once a block every REFRESH_EVERY_S, on the
+        writer thread (in order with the writes)."""
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        due = [h for h in block_hashes if now - self._refreshed.get(h, -REFRESH_EVERY_S) >= REFRESH_EVERY_S]
+        for block_hash in due:
+            self._refreshed[block_hash] = now
+            self._refreshed.move_to_end(block_hash)
+        while len(self._refreshed) > MAX_REFRESHED:
+            self._refreshed.popitem(last=False)
+        if due:
+            self._writer.submit(self._touch, [self.key(block_hash) for block_hash in due])
+
+    def _touch(self, keys: list[bytes]) -> None:
+        for store in self.stores:
+            for key in keys:
+                store.touch(key)
 
     def release_reads(self, done) -> None:
         """Blocks read from host memory whose views are gone are read by no device work launched

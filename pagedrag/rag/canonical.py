@@ -23,6 +23,7 @@ while "x\\n\\nWord" tokenizes as "Ċ", "Ċ", "Word".
 from __future__ import annotations
 
 import dataclasses
+import bisect
 import hashlib
 import itertools
 import re
@@ -242,12 +243,13 @@ _MONTH = r"(?:jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*\.?"
 _VOLATILE_PATTERNS = tuple((kind, re.compile(pattern, re.IGNORECASE)) for kind, pattern in (
     ("timestamp", r"\b\d{4}-\d{2}-\d{2}[T ]\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?"),
     ("uuid", r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b"),
-    ("date", rf"\b\d{{4}}-\d{{2}}-\d{{2}}\b|\b\d{{1,2}}/\d{{1,2}}/\d{{2,4}}\b"
+    ("date", rf"\b\d{{4}}[-/.]\d{{1,2}}[-/.]\d{{1,2}}\b|\b\d{{1,2}}[/.]\d{{1,2}}[/.]\d{{2,4}}\b"
              rf"|\b{_MONTH} \d{{1,2}}(?:st|nd|rd|th)?,? \d{{4}}\b|\b\d{{1,2}} {_MONTH},? \d{{4}}\b"),
     ("time", r"\b\d{1,2}:\d{2}(?::\d{2})?(?:\s?[ap]\.?m\b\.?)?"),
     ("timestamp", r"\b1\d{9}(?:\d{3})?\b"),  # Unix epoch seconds or milliseconds
     ("session_id", r"\b(?:session|sess|sid|conversation|request|trace)(?:[ _-]?id)?\s*[:=]\s*\S+"),
-    ("user_id", r"\b(?:user[ _-]?(?:id|name)|uid|user(?==))\s*[:=]\s*\S+"),
+    ("user_id", r"\b(?:user[ _-]?(?:id|name)|uid|user(?==))\s*[:=]\s*\S+"
+                r"|\buser:[ \t]*[\w.@+-]+(?=[ \t]*(?:\r?\n|\Z))"),  # "User: bob" alone on its line, not a turn
     ("hex_id", r"\b(?=[0-9a-f]*\d)[0-9a-f]{16,}\b"),
 ))
 
@@ -258,12 +260,17 @@ def detect_volatile(text: str) -> list[tuple[str, re.Match]]:
     Kinds: "timestamp", "date", "time", "uuid", "hex_id", "user_id", "session_id".
     Matches do not overlap (earlier patterns above win) and come in text order.
     """
-    found: list[tuple[str, re.Match]] = []
+    starts: list[int] = []  # the kept matches' starts, in text order (they never overlap)
+    kept: list[tuple[str, re.Match]] = []
     for kind, pattern in _VOLATILE_PATTERNS:
         for match in pattern.finditer(text):
-            if not any(match.start() < other.end() and other.start() < match.end() for _, other in found):
-                found.append((kind, match))
-    return sorted(found, key=lambda pair: pair[1].start())
+            place = bisect.bisect_right(starts, match.start())
+            overlaps_before = place > 0 and kept[place - 1][1].end() > match.start()
+            overlaps_after = place < len(starts) and starts[place] < match.end()
+            if not (overlaps_before or overlaps_after):
+                starts.insert(place, match.start())
+                kept.insert(place, (kind, match))
+    return kept
 
 
 _warned_system_prompts: set[str] = set()

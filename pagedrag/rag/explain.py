@@ -311,9 +311,16 @@ def _cli_prompts(args: argparse.Namespace) -> tuple[str, str]:
     if len(args.files) != needed:
         raise ValueError(f"expected {needed} prompt file(s) besides --text-a/--text-b, got {len(args.files)}")
     files = iter(args.files)
-    prompt_a, prompt_b = (literal if literal is not None else Path(next(files)).read_text(encoding="utf-8")
-                          for literal in literals)
+    prompt_a, prompt_b = (literal if literal is not None else _read_prompt(next(files)) for literal in literals)
     return prompt_a, prompt_b
+
+
+def _read_prompt(path: str) -> str:
+    """A prompt file's text exactly as it is (its line endings kept: \r\n and \n tokenize apart)."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text: {error}") from None
 
 
 def run(args: argparse.Namespace) -> int:

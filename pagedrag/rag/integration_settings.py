@@ -25,7 +25,7 @@ from pagedrag.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedrag")
 DEFAULT_TIMEOUT_S = 600.0
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = 512  # Vllm's and langchain_community VLLM's max_new_tokens (ChatPagedRAG: None, as ChatOpenAI)
 DEFAULT_MAX_RETRIES = 2
 # Settings read into every request; None leaves a field to SamplingParams' default.
 # (max_tokens is always sent: None there means "until EOS", not SamplingParams' 16.)

@@ -31,12 +31,14 @@ def check_cache_aware(order: str, engine: Any) -> None:
 def canonical_items(items: Sequence[T], to_chunk: Callable[[T], Chunk], with_text: Callable[[T, str], T],
                     order: str = "stable", *, max_tokens: int | None = None, tokenizer: Any = None,
                     chunk_template: str = "{text}",
-                    cached_len: Callable[[list[T]], int] | None = None) -> list[T]:
+                    cached_len: Callable[[list[T]], int] | None = None,
+                    identity: Callable[[Chunk], str] | None = None) -> list[T]:
     """The items deduplicated and in canonical order (see ``canonical_order``).
 
     "cache_aware" needs ``cached_len(leading_items)``: how many tokens of the prompt the
     pipeline would build from items that start with ``leading_items`` the engine holds
-    now (``EngineSettings.cached_prefix_len`` of that prompt).
+    now (``EngineSettings.cached_prefix_len`` of that prompt). ``identity(chunk)``: what
+    the prompt shows of an item (default its text; see ``canonical_order``).
 
     With ``max_tokens``, the ordered items are also fitted into that many tokens of
     ``tokenizer`` (default: the embedded model's), each rendered with ``chunk_template``
@@ -44,7 +46,7 @@ def canonical_items(items: Sequence[T], to_chunk: Callable[[T], Chunk], with_tex
     first that does not is cut at a token boundary (``with_text(item, text)`` makes the
     cut copy), the rest are dropped.
     """
-    ordered = canonical_order(items, order, to_chunk=to_chunk, cached_len=cached_len)
+    ordered = canonical_order(items, order, to_chunk=to_chunk, cached_len=cached_len, identity=identity)
     if max_tokens is None:
         return ordered
     return _fit(ordered, to_chunk, with_text, max_tokens, tokenizer or load_tokenizer(), chunk_template)

@@ -66,4 +66,4 @@ async def _chunks(serving: Serving, request: ChatCompletionRequest, envelope: En
 
 def _logprobs(serving: Serving, request: ChatCompletionRequest, delta: ChoiceDelta) -> ChatLogprobs | None:
     top = request.num_logprobs()
-    return None if top is None else serving.logprobs.chat(delta, top)
+    return None if top is None else serving.logprobs.chat(delta, top, request.return_tokens_as_token_ids)

@@ -39,5 +39,6 @@ async def _chunks(serving: Serving, request: CompletionRequest, envelope: Envelo
 def _choice(serving: Serving, request: CompletionRequest, delta: ChoiceDelta) -> CompletionChoice:
     top = request.num_logprobs()
     return CompletionChoice(index=delta.index, text=delta.text,
-                            logprobs=None if top is None else serving.logprobs.completion(delta, top),
+                            logprobs=None if top is None else serving.logprobs.completion(
+                                delta, top, request.return_tokens_as_token_ids),
                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)

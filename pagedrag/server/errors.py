@@ -75,8 +75,11 @@ def _validation_error(errors: list[dict]) -> APIError:
 
     if any(error["type"] == "json_invalid" for error in errors):
         return APIError(400, f"malformed JSON body: {errors[0].get('ctx', {}).get('error', errors[0]['msg'])}")
+    def param(error: dict) -> str | None:  # a validator's ParameterError names its field
+        return where(error) or getattr(error.get("ctx", {}).get("error"), "param", None)
+
     message = "; ".join(f"{where(error) or 'body'}: {error['msg']}" for error in errors)
-    return APIError(400, message, param=where(errors[0]) or None)
+    return APIError(400, message, param=param(errors[0]))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -37,33 +37,16 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from pagedrag.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedrag.sampling_params import MAX_LOGPROBS, ParameterError, SamplingParams
 from pagedrag.structured import StructuredOutputsParams
 from pagedrag.structured.params import response_format_fields
-from pagedrag.text_checks import check_utf8
+from pagedrag.text_checks import check_utf8_within
 
 logger = logging.getLogger("pagedrag")
 
 MAX_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_PROMPTS_PER_REQUEST = 1024  # prompts in one batched /v1/completions request
 MAX_PROMPT_CHUNKS = 256  # texts in prompt_chunks: each is searched for in the prompt
-ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def _check_strings(value: Any, path: str) -> None:
-    """Refuse any string, key or value, at any depth, that is not valid UTF-8 (iterative:
-    nesting as deep as the JSON parser allows never exhausts the stack)."""
-    pending = [(value, path)]
-    while pending:
-        item, where = pending.pop()
-        if isinstance(item, str):
-            check_utf8(where, item)
-        elif isinstance(item, dict):
-            for key, inner in item.items():
-                pending.append((key, f"a key of {where}"))
-                pending.append((inner, f"{where}.{key}" if isinstance(key, str) else where))
-        elif isinstance(item, list):
-            pending.extend((inner, f"{where}[{index}]") for index, inner in enumerate(item))
 
 
 class StrictRequest(BaseModel):
@@ -75,7 +58,7 @@ class StrictRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _utf8_only(cls, data: Any) -> Any:
-        _check_strings(data, cls.__name__)
+        check_utf8_within(data, cls.__name__)
         return data
 
     @model_validator(mode="after")
@@ -104,7 +87,12 @@ class SamplingRequest(StrictRequest):
 
     # field -> the values that mean "not used" (null is always accepted); anything else is a 400
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        "use_beam_search": (False,), "guided_decoding_backend": ("auto", "xgrammar")}
+        "use_beam_search": (False,), "guided_decoding_backend": ("auto", "xgrammar"),
+        "length_penalty": (1.0, 1), "priority": (0,),  # beam search and priority scheduling are not served
+        "best_of": (1,)}
+    UNSUPPORTED_HINTS: ClassVar[dict[str, str]] = {
+        "use_beam_search": " (use the offline LLM.beam_search)", "length_penalty": " (it is beam search's)",
+        "priority": " (it schedules first come, first served)"}
     GUIDED: ClassVar[dict[str, str]] = {  # vLLM's older request fields -> StructuredOutputsParams fields
         "guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
         "guided_whitespace_pattern": "whitespace_pattern"}
@@ -125,6 +113,11 @@ class SamplingRequest(StrictRequest):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's; changes nothing with a fast tokenizer (SamplingParams)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
+    request_id: str | None = Field(None, min_length=1, max_length=256)  # vLLM's: the response's id, after its prefix
+    length_penalty: float | None = None  # vLLM's, for beam search: only 1 (see UNSUPPORTED)
+    priority: int | None = None  # vLLM's, for priority scheduling: only 0 (see UNSUPPORTED)
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
@@ -151,13 +144,14 @@ class SamplingRequest(StrictRequest):
         if isinstance(data, dict):
             for name, unused in cls.UNSUPPORTED.items():
                 if data.get(name) is not None and data[name] not in unused:
-                    raise ValueError(f"'{name}' is not supported by this server")
+                    raise ParameterError(name, f"'{name}' is not supported by this server"
+                                               f"{cls.UNSUPPORTED_HINTS.get(name, '')}")
         return data
 
     @field_validator("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
                      "include_stop_str_in_output", "skip_special_tokens", "stream", "speculative_decoding",
-                     mode="before")
+                     "spaces_between_special_tokens", "return_tokens_as_token_ids", mode="before")
     @classmethod
     def _null_means_default(cls, value: Any, info) -> Any:
         return cls.model_fields[info.field_name].default if value is None else value
@@ -166,7 +160,7 @@ class SamplingRequest(StrictRequest):
     def _stream_options_need_stream(self) -> "SamplingRequest":
         """As OpenAI and vLLM: stream_options without streaming is a mistake, not a no-op."""
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise ParameterError("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     @property
@@ -208,7 +202,8 @@ class SamplingRequest(StrictRequest):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             max_tokens=self.max_new_tokens(), min_tokens=self.min_tokens, logprobs=self.num_logprobs(),
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs,
             structured_outputs=self.structured_outputs_params(), speculative_decoding=self.speculative_decoding)
@@ -247,13 +242,14 @@ class SamplingRequest(StrictRequest):
 class CompletionRequest(SamplingRequest):
     PREFIX: ClassVar[str] = "cmpl"  # of response ids
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
-        **SamplingRequest.UNSUPPORTED, "echo": (False,), "suffix": ("",), "best_of": (1,)}
+        **SamplingRequest.UNSUPPORTED, "echo": (False,), "suffix": ("",)}
 
     prompt: str | list[str] | list[int] | list[list[int]] | None = None  # required unless prompt_segments
     prompt_segments: list[Any] | None = None  # pagedrag's: checked by the engine (inputs.InputProcessor)
     max_tokens: int | None = 16
     best_of: int | None = None  # vLLM's; only 1 (or null) is accepted, see UNSUPPORTED
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt
 
     @property
     def prompt_field(self) -> str:
@@ -300,7 +296,7 @@ _REFUSED_MESSAGE_FIELDS = {"function_call": ": send 'tool_calls'", "audio": ""} 
 
 
 class ChatMessage(StrictRequest):
-    role: Literal[ROLES]
+    role: str = Field(min_length=1, max_length=64)  # OpenAI's, or any the model's template knows (as vLLM)
     content: str | list[TextPart] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (checked by pagedrag.tools)
     tool_call_id: str | None = None  # a tool result's call
@@ -329,7 +325,8 @@ class ChatCompletionRequest(SamplingRequest):
     PREFIX: ClassVar[str] = "chatcmpl"
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {  # OpenAI's audio output and web search: not served
         **SamplingRequest.UNSUPPORTED, "functions": ([],), "function_call": ("none",), "modalities": (["text"],),
-        "audio": (), "web_search_options": ()}
+        "audio": (), "web_search_options": (), "echo": (False,),
+        "add_special_tokens": (False,)}  # a chat's special tokens are its template's
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
@@ -340,6 +337,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the reply continues the last (assistant) message
+    documents: list[dict[str, str]] | None = None  # vLLM's: handed to the chat template (RAG templates read them)
     chat_template: str | None = None  # vLLM's field; honoured only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     prompt_segments: Any = None  # /v1/completions' own: refused here (_no_prompt_segments)
@@ -365,13 +364,19 @@ class ChatCompletionRequest(SamplingRequest):
         return template
 
     def template_kwargs(self) -> dict[str, Any]:
-        """chat_template_kwargs without the template itself."""
-        return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"}
+        """chat_template_kwargs without the template itself, with ``documents`` and
+        ``continue_final_message`` where given (as vLLM hands them to the template)."""
+        kwargs = {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "chat_template"}
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        return kwargs
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise ParameterError("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
 
     def max_new_tokens(self) -> int | None:

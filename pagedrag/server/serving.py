@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from pagedrag.entrypoints.async_engine import AsyncLLMEngine
 from pagedrag.deltas import ChoiceCursor, ChoiceDelta
-from pagedrag.engine.inputs import ProcessedPrompt, check_cache_salt
+from pagedrag.engine.inputs import InputProcessor, ProcessedPrompt, check_cache_salt
 from pagedrag.kv_tiers.store import tier_hits
 from pagedrag.outputs import RequestOutput
 from pagedrag.sampling_params import SamplingParams
@@ -46,8 +46,10 @@ class Envelope:
     model: str
 
     @classmethod
-    def new(cls, prefix: str, model: str) -> "Envelope":
-        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+    def new(cls, prefix: str, model: str, request_id: str | None = None) -> "Envelope":
+        """A response's envelope: its id is the prefix and the client's request_id (vLLM's), or a
+        random one."""
+        return cls(f"{prefix}-{request_id or uuid.uuid4().hex}", int(time.time()), model)
 
     @property
     def fields(self) -> dict:
@@ -198,6 +200,9 @@ class Serving:
             if request.prompt_chunks is not None:
                 raise APIError(400, "prompt_chunks cannot be combined with a chat template sent with the request "
                                     "(its rendering is never cut into segments)", param="prompt_chunks")
+            if request.continue_final_message:
+                raise APIError(400, "continue_final_message needs the model's chat template, not one sent with the "
+                                    "request", param="continue_final_message")
             text = await self._render_request_template(template, request)
             return await self.engine.preprocess(
                 lambda inputs: inputs.process_chat_text(text, salt, truncate_prompt_tokens=request.truncate_prompt_tokens))
@@ -222,7 +227,8 @@ class Serving:
         try:
             prompts = request.engine_prompts()
             return [await self.engine.preprocess(
-                        lambda inputs, p=p: inputs.process(p, salt, truncate, chunks=chunks)) for p in prompts]
+                        lambda inputs, p=p: inputs.process(_without_special_tokens(inputs, p, request), salt,
+                                                           truncate, chunks=chunks)) for p in prompts]
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param=request.prompt_field) from error
 
@@ -253,7 +259,7 @@ class Serving:
         except ValueError as error:
             raise APIError(400, str(error), param=request.prompt_field) from error
         self._admit(copies * num_prompts * params.n)
-        return Envelope.new(request.PREFIX, model), params
+        return Envelope.new(request.PREFIX, model, request.request_id), params
 
     async def start(self, http_request: Request, params: SamplingParams, prompts: list[ProcessedPrompt],
                     envelope: Envelope, max_tokens_field: str) -> Run:
@@ -312,3 +318,13 @@ def _special_tokens(tokenizer) -> dict[str, str]:
     if tokenizer is None:
         return {}
     return {name: value for name, value in tokenizer.special_tokens_map.items() if isinstance(value, str)}
+
+
+def _without_special_tokens(inputs: InputProcessor, prompt, request: CompletionRequest):
+    """A text prompt tokenized without the tokenizer's special tokens where the request says so
+    (vLLM's add_special_tokens=false); any other prompt as it is. Prompt_chunks then have no text
+    left to cut (a 400, as for a prompt of token ids)."""
+    if request.add_special_tokens or not isinstance(prompt, str) or inputs.tokenizer is None:
+        return prompt
+    inputs.check_prompt_chars(len(prompt))
+    return {"prompt": prompt, "prompt_token_ids": inputs.tokenizer.encode(prompt, add_special_tokens=False)}

@@ -60,6 +60,7 @@ class GrammarCompiler:
                 return self._cache[key]
         started = time.perf_counter()
         compiled = self._compile(params)
+        _check_accepts_something(compiled, params, self._vocab_size)
         with self._lock:
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - started
@@ -146,6 +147,17 @@ def choice_grammar(choices: list[str]) -> str:
     for choice in choices:
         check_utf8("a choice", choice)
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def _check_accepts_something(compiled, params: StructuredOutputsParams, vocab_size: int) -> None:
+    """ValueError for a grammar no token can start (``root ::= root``): its requests could not
+    write a first token. One mask at the start, a fraction of a millisecond, once a constraint."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask, 0)
+    if not bitmask.any():
+        raise ValueError(f"structured outputs: the {_kind_name(params)} accepts no output (no token can start it)")
 
 
 def _kind_name(params: StructuredOutputsParams) -> str:

@@ -23,6 +23,7 @@ from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import Field
 
 from pagedrag.client import Generation, Messages
 from pagedrag.rag.chunk_reuse_support import cache_read_tokens
@@ -74,6 +75,9 @@ class ChatPagedRAG(LangChainSettings, BaseChatModel):
     it, the documents CanonicalDocuments(llm=this) told of that the last human message
     holds are passed, and otherwise the engine cuts at blank lines.
     """
+
+    max_tokens: int | None = Field(default=None, description="Most tokens to generate; None (ChatOpenAI's "
+                                                             "default): until EOS or max_model_len.")
 
     @property
     def _llm_type(self) -> str:

@@ -145,7 +145,9 @@ def _chunk(document: Document) -> Chunk:
     """The document as the canonicalizer sees it: its text, source and start offset."""
     if not isinstance(document, Document):
         raise TypeError(f"expected a langchain Document, got {type(document).__name__}")
-    source = document.metadata.get("source", document.id)
+    source = document.metadata.get("source")
+    if source is None:
+        source = document.id
     position = document.metadata.get("start_index")
     return Chunk(document.page_content, None if source is None else str(source),
                  position if isinstance(position, int) else None)

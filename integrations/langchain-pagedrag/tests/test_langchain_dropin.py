@@ -161,7 +161,8 @@ def test_chatopenai_stop_string_and_none_n_and_temperature_are_accepted():
     """ChatOpenAI's stop is list[str] | str | None; its n and temperature may be None (the
     engine's defaults: one completion, temperature 1.0)."""
     chat = ChatPagedRAG(stop="\n", n=None, temperature=None)
-    assert chat.sampling({}) == SamplingParams(temperature=1.0, max_tokens=256, n=1, stop=["\n"])
+    assert chat.sampling({}) == SamplingParams(temperature=1.0, max_tokens=None, n=1, stop=["\n"])
+    assert PagedRAGLLM().sampling({}).max_tokens == 512  # langchain_community VLLM's max_new_tokens
 
 
 def test_vllm_default_use_beam_search_is_ignored_with_a_warning(caplog):

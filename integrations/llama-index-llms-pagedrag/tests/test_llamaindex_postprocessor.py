@@ -35,6 +35,19 @@ def test_stable_order_does_not_depend_on_the_ranking(nodes):
     assert len(orders) == 1
 
 
+def test_nodes_of_one_text_and_other_metadata_order_alike_whatever_the_ranking():
+    """Repeated boilerplate on two pages of one document: the packed context (text and LLM
+    metadata) is the same whichever the retriever ranked first."""
+    from llama_index.llms.pagedrag.postprocessor import packed_text
+
+    boilerplate = [NodeWithScore(node=TextNode(text="Contact us at the desk.", id_=f"p{page}",
+                                               metadata={"page_label": str(page)}), score=0.5) for page in (3, 7)]
+    other = NodeWithScore(node=TextNode(text="Another page.", id_="p9"), score=0.4)
+    packed = {tuple(packed_text(n.node) for n in CanonicalNodePostprocessor().postprocess_nodes(list(order)))
+              for order in itertools.permutations([*boilerplate, other])}
+    assert len(packed) == 1
+
+
 def test_relevance_keeps_the_ranking_and_repeats_are_dropped(nodes):
     repeated = nodes + [NodeWithScore(node=nodes[0].node, score=0.1)]
     assert texts(CanonicalNodePostprocessor(order="relevance").postprocess_nodes(repeated)) == texts(nodes)

@@ -62,7 +62,7 @@ class CanonicalNodePostprocessor(BaseNodePostprocessor):
     def _postprocess_nodes(self, nodes: list[NodeWithScore],
                            query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
         ordered = canonical_items(nodes, _chunk, _with_text, self.order, max_tokens=self.max_context_tokens,
-                                  tokenizer=self.tokenizer, cached_len=self._cached_len)
+                                  tokenizer=self.tokenizer, cached_len=self._cached_len, identity=_shown)
         if self.llm is not None:
             self.llm.expect_chunks(packed_text(scored.node) for scored in ordered)
         return ordered
@@ -84,9 +84,17 @@ def packed_text(node: BaseNode) -> str:
 
 
 def _chunk(scored: NodeWithScore) -> Chunk:
-    """The node as the canonicalizer sees it: its text, source document and start offset."""
+    """The node as the canonicalizer sees it: its text, source document and start offset, and
+    (in its metadata) what the packed context shows of it."""
     node = scored.node
-    return Chunk(node.get_content(), node.ref_doc_id or node.node_id, node.start_char_idx, scored.score)
+    return Chunk(node.get_content(), node.ref_doc_id or node.node_id, node.start_char_idx, scored.score,
+                 metadata={"shown": packed_text(node)})
+
+
+def _shown(chunk: Chunk) -> str:
+    """A node's identity for ordering and dedupe: its text with its LLM metadata, as packed
+    (two nodes of one text and other metadata show, and so order, apart)."""
+    return chunk.metadata["shown"]
 
 
 def _with_text(scored: NodeWithScore, text: str) -> NodeWithScore:

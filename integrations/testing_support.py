@@ -144,6 +144,13 @@ class FixedClient(EngineClient):
     async def ainfo(self) -> EngineInfo:
         return EngineInfo(DEFAULT_MODEL_NAME, ENGINE_KWARGS["max_model_len"])
 
+    @property
+    def known_model_name(self) -> str:
+        return DEFAULT_MODEL_NAME
+
+    async def atokenize(self, text: str) -> list[int]:
+        return list(text.encode())
+
 
 def answering_with(model, generation: Generation):
     """``model`` (a LangChain or LlamaIndex model of pagedrag, not yet connected) with a

@@ -150,6 +150,11 @@ def test_bad_arguments(tok):
         explain("a", "b", tok, block_size=0)
     with pytest.raises(TypeError, match="prompt"):
         explain(3, "b", tok)
+    for ids in ([1, -1], [1, 10**9]):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            explain(ids, [1, 2], tok)
+    with pytest.raises(TypeError, match="token ids"):
+        explain([True, 1], [1, 2], tok)
 
 
 def _args(*argv):

@@ -94,6 +94,7 @@ def test_malformed_constraints_are_refused_when_made(constraint, message):
     ({"json": {"$ref": "#/$defs/missing"}}, "JSON schema cannot be compiled"),
     ({"regex": "(unclosed"}, "regex cannot be compiled"),
     ({"grammar": "root ::= undefined_rule"}, "grammar cannot be compiled"),
+    ({"grammar": "root ::= root"}, "accepts no output"),  # no token can start it
 ])
 def test_constraints_that_cannot_compile_fail_alone(llm, constraint, message):
     """The bad request is refused when added; nothing is queued, and the engine goes on."""
@@ -103,6 +104,14 @@ def test_constraints_that_cannot_compile_fail_alone(llm, constraint, message):
                      use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.generate([QUESTIONS[0]], SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
+
+
+def test_json_object_without_free_whitespace_is_compact(llm):
+    """disable_any_whitespace holds for json_object too (it held for schemas only)."""
+    grammars = llm.llm_engine.inputs.grammars
+    compact = grammars.matcher(StructuredOutputsParams(json_object=True, disable_any_whitespace=True))
+    free = grammars.matcher(StructuredOutputsParams(json_object=True))
+    assert free.accept_string('{ "a": 1') and not compact.accept_string('{ "a": 1')
 
 
 def test_a_request_whose_bans_leave_no_grammar_token_fails_alone(llm):

@@ -19,7 +19,7 @@ from typing import Any
 import openai
 
 from pagedrag.config import EngineArgs
-from pagedrag.client.bridge import iterate_sync, run_sync
+from pagedrag.client.bridge import gather_or_cancel, iterate_sync, run_sync
 from pagedrag.client.inprocess import InProcessClient, SharedEngine, engine_args, shared_engine, shutdown_shared_engines
 from pagedrag.client.remote import RemoteClient, RemoteError
 from pagedrag.client.types import (DEFAULT_MODEL_NAME, KV_TIERS, EngineClient, EngineInfo, Generation, Messages,
@@ -28,7 +28,8 @@ from pagedrag.tools import ToolCall
 
 __all__ = ["DEFAULT_MODEL_NAME", "KV_TIERS", "EngineClient", "EngineInfo", "Generation", "InProcessClient", "Messages",
            "Prompt", "RemoteClient", "RemoteError", "SharedEngine", "TokenLogprob", "ToolCall", "ToolRequest",
-           "WarmSummary", "check_connection", "connect", "engine_args", "iterate_sync", "run_sync", "shared_engine",
+           "WarmSummary", "check_connection", "connect", "engine_args", "gather_or_cancel", "iterate_sync", "run_sync",
+           "shared_engine",
            "shutdown_shared_engines", "tier_hits"]
 _ENGINE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineArgs)}
 

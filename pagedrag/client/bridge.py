@@ -9,11 +9,12 @@ portal's own thread raises RuntimeError (it would wait for itself).
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import queue
 import threading
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -23,6 +24,20 @@ _END = object()
 _portal: BlockingPortal | None = None
 _portal_lock = threading.Lock()
 _portal_context = contextlib.ExitStack()  # holds the portal open for the process's life
+
+
+async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Every awaitable's result, in order, run at once; the first to fail (or the caller's
+    cancellation) cancels the others, which aborts their requests, and is raised once they
+    have ended."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def run_sync(awaitable: Awaitable[T]) -> T:

@@ -21,6 +21,7 @@ from pagedrag.sampling_params import RequestOutputKind, SamplingParams
 from pagedrag.client.bridge import run_sync
 from pagedrag.client.types import (WARM_PARAMS, EngineClient, EngineInfo, Generation, Prompt, TokenLogprob,
                                    ToolRequest, WarmSummary, tier_hits)
+from pagedrag.text_checks import check_utf8
 from pagedrag.tools import ToolCallSplitter, ToolParser, ToolPlan, whole_choice
 
 _Submission = tuple[ProcessedPrompt, SamplingParams, "asyncio.Future[RequestStream]"]
@@ -188,6 +189,13 @@ class InProcessClient(EngineClient):
         info = self.shared.engine.model_info
         return EngineInfo(info.name, info.max_model_len)
 
+    @property
+    def known_model_name(self) -> str:
+        return self.shared.engine.model_info.name
+
+    async def atokenize(self, text: str) -> list[int]:
+        return await self.shared.engine.preprocess(lambda inputs: _encoded(inputs.tokenizer, text))
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (for measurements that start cold)."""
         run_sync(self.shared.engine.reset_prefix_cache())
@@ -242,3 +250,10 @@ def _logprobs(token_ids: list[int], entries: list[dict[int, Logprob]] | None,
 
 def _token_text(entry: Logprob) -> str:
     return entry.decoded_token or ""
+
+
+def _encoded(tokenizer, text: str) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer")
+    check_utf8("text", text)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -128,6 +128,19 @@ class RemoteClient(EngineClient):
         """The model a request names: the client's, else the first one the server serves."""
         return self.model if self.model is not None else (await self.ainfo()).model_name
 
+    async def atokenize(self, text: str) -> list[int]:
+        """Through the server's /tokenize (as vLLM serves it, beside /v1)."""
+        check_utf8_within(text, "text")
+        body = {"model": await self._model_name(), "prompt": text, "add_special_tokens": False}
+        with _translated_errors():
+            response = await self._openai().post(self.base_url.removesuffix("/v1") + "/tokenize", body=body,
+                                                 cast_to=httpx.Response)
+            return response.json()["tokens"]
+
+    @property
+    def known_model_name(self) -> str | None:
+        return self.model if self.model is not None else (None if self._info is None else self._info.model_name)
+
     async def astats(self) -> dict[str, Any]:
         with _translated_errors():
             # the raw response, then its JSON: a bare ``dict`` cast fails in openai 2.x

@@ -11,7 +11,6 @@ lands; other engines ignore them.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -22,7 +21,7 @@ from pagedrag.engine.inputs import check_conversation
 from pagedrag.kv_tiers.store import TIER_NAMES, tier_hits as _add_tier_hits
 from pagedrag.models.loader import EMBEDDED_NAME
 from pagedrag.sampling_params import SamplingParams
-from pagedrag.client.bridge import iterate_sync, run_sync
+from pagedrag.client.bridge import gather_or_cancel, iterate_sync, run_sync
 from pagedrag.tools import ToolCall
 
 DEFAULT_MODEL_NAME = EMBEDDED_NAME
@@ -231,6 +230,15 @@ class EngineClient(ABC):
     async def ainfo(self) -> EngineInfo:
         """The served model's name and context window."""
 
+    @abstractmethod
+    async def atokenize(self, text: str) -> list[int]:
+        """The token ids of ``text`` as the engine's tokenizer reads it (no special tokens added)."""
+
+    @property
+    @abstractmethod
+    def known_model_name(self) -> str | None:
+        """The model's name where it is known without asking (a server's, once it was asked)."""
+
     # ---- any prompt, async ---------------------------------------------------------------
     async def agenerate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None, *,
                         tools: list[dict] | None = None, tool_choice: str | dict | None = None,
@@ -295,14 +303,7 @@ class EngineClient(ABC):
                             chunks: tuple[str, ...] | None = None) -> list[Generation]:
         """The checked prompts submitted at once (one engine batch), results in their order;
         if one fails (or the caller gives up), the others are aborted."""
-        tasks = [asyncio.ensure_future(self._generate(prompt, params, cache_salt, None, chunks))
-                 for prompt in checked]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            raise
+        return await gather_or_cancel(self._generate(prompt, params, cache_salt, None, chunks) for prompt in checked)
 
     # ---- synchronous forms ------------------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None = None, *,
@@ -345,6 +346,9 @@ class EngineClient(ABC):
 
     def info(self) -> EngineInfo:
         return run_sync(self.ainfo())
+
+    def tokenize(self, text: str) -> list[int]:
+        return run_sync(self.atokenize(text))
 
 
 def _checked(prompt: Any) -> Prompt:

@@ -43,6 +43,9 @@ SETTINGS_ALIASES: Mapping[str, str] = {
     "vllm_kwargs": "engine_kwargs",          # Vllm: vllm.LLM's arguments; here pagedrag.EngineArgs'
     "api_url": "base_url",                   # VllmServer: <server>/generate (see base_url_of)
     "api_headers": "default_headers",        # VllmServer; ChatOpenAI calls them default_headers
+    "openai_api_base": "base_url",           # ChatOpenAI's / VLLMOpenAI's field names (base_url, api_key
+    "openai_api_key": "api_key",             # and timeout are their aliases: LangChain's vLLM recipe
+    "request_timeout": "timeout",            # writes VLLMOpenAI(openai_api_base=..., openai_api_key=...))
 }
 BEST_OF = "best_of"  # vLLM's: sample best_of, keep the n most likely; pagedrag samples exactly n
 BEAM_SEARCH = "use_beam_search"  # vLLM's former SamplingParams field (LLM.beam_search replaced it)

@@ -135,8 +135,12 @@ def _tokens_and_text(prompt: str | list[int], tokenizer: Any, name: str = "promp
     if isinstance(prompt, str):
         check_utf8(name, prompt)
         ids = tokenizer.encode(prompt, add_special_tokens=True)
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(token, int) for token in prompt):
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(token, int) and not isinstance(token, bool)
+                                                   for token in prompt):
         ids = list(prompt)
+        outside = [token for token in ids if not 0 <= token < len(tokenizer)]
+        if outside:
+            raise ValueError(f"{name}: token ids {outside[:5]} are outside the vocabulary [0, {len(tokenizer)})")
     else:
         raise TypeError(f"{name} must be a str or a list of token ids, got {type(prompt).__name__}")
     return ids, _decode(tokenizer, ids)

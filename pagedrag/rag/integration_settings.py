@@ -76,6 +76,26 @@ class EngineSettings(BaseModel):
 
     _client: EngineClient | None = PrivateAttr(default=None)
 
+    # ---- copies connect afresh: a copy's fields may name another engine or server -------------
+    def __copy__(self):
+        copied = super().__copy__()
+        copied._client = None
+        return copied
+
+    def __deepcopy__(self, memo: dict | None = None):
+        memo = {} if memo is None else memo
+        if self._client is not None:
+            memo[id(self._client)] = None  # deepcopy hands the copy None for the client
+        return super().__deepcopy__(memo)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the client (threads, an engine): the loaded copy connects on first use."""
+        state = super().__getstate__()
+        private = state.get("__pydantic_private__")
+        if private:
+            state["__pydantic_private__"] = {**private, "_client": None}
+        return state
+
     @model_validator(mode="before")
     @classmethod
     def _canonical_names(cls, values: Any) -> Any:
@@ -145,6 +165,7 @@ class EngineSettings(BaseModel):
         settings = {name: getattr(self, name) for name in SAMPLING_SETTINGS}
         settings = {name: value for name, value in settings.items() if value is not None or name == "max_tokens"}
         call = aliases.canonical_sampling(overrides, "call keywords")
+        call = {name: value for name, value in call.items() if value is not None or name == "max_tokens"}  # None: as set
         if stop is not None:
             if call.get("stop", stop) != stop:
                 raise ValueError(f"stop={stop!r} and the call's stop sequences {call['stop']!r} set the same "

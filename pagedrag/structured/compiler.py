@@ -76,7 +76,8 @@ class GrammarCompiler:
             if kind == "json":
                 return compiler.compile_grammar(json_grammar(params.json, not params.disable_any_whitespace))
             if kind == "json_object":  # an object, as OpenAI and vLLM mean it (not any JSON value)
-                return compiler.compile_json_schema(ANY_OBJECT, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+                return compiler.compile_json_schema(ANY_OBJECT, any_whitespace=not params.disable_any_whitespace,
+                                                    max_whitespace_cnt=MAX_JSON_WHITESPACE)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":

@@ -3,15 +3,18 @@ share: LangChain's conventions for those settings, and what a response reports."
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 from langchain_core.language_models import LangSmithParams, LanguageModelInput
 from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.runnables.config import get_config_list
 from langchain_core.utils import from_env, secret_from_env
 from langchain_core.utils.utils import _build_model_kwargs, get_pydantic_field_names
 from pydantic import Field, SecretStr, model_validator
 
-from pagedrag.client import DEFAULT_MODEL_NAME, Generation, run_sync
+from pagedrag.client import DEFAULT_MODEL_NAME, Generation, gather_or_cancel, run_sync
 from pagedrag.rag import aliases
 from pagedrag.rag.chunk_reuse_support import ChunkReuseSettings, chunk_reuse_figures, chunk_reuse_settings
 from pagedrag.rag.integration_settings import SAMPLING_SETTINGS, drop_ignored
@@ -107,8 +110,10 @@ class LangChainSettings(ChunkReuseSettings):
 
     @property
     def model_label(self) -> str:
-        """The model's name as responses and traces report it."""
-        return self.model_name or DEFAULT_MODEL_NAME
+        """The model's name as responses and traces report it: the one given, else the one the
+        engine serves once known (a server's after its first answer), else the embedded model's."""
+        known = None if self._client is None else self._client.known_model_name
+        return self.model_name or known or DEFAULT_MODEL_NAME
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -145,12 +150,27 @@ class LangChainSettings(ChunkReuseSettings):
     async def abatch(self, inputs: list[LanguageModelInput],
                      config: RunnableConfig | list[RunnableConfig] | None = None,
                      *, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
-        """Runnable's abatch: one ``ainvoke`` per input, gathered on one event loop, so the
-        engine client queues them in one loop turn (one engine batch) and each input succeeds
-        or fails on its own; with ``return_exceptions`` a bad input's place holds its error
-        and the others their results. (BaseLLM's abatch sends every prompt in one generate
-        call, where one bad prompt fails them all.)"""
-        return await Runnable.abatch(self, inputs, config, return_exceptions=return_exceptions, **kwargs)
+        """One ``ainvoke`` per input, gathered on one event loop, so the engine client queues
+        them in one loop turn (one engine batch). With ``return_exceptions`` (Runnable's
+        abatch) a bad input's place holds its error and the others their results; without,
+        the first error aborts the other inputs' requests and is raised. (BaseLLM's abatch
+        sends every prompt in one generate call, where one bad prompt fails them all.)"""
+        if return_exceptions or not inputs:
+            return await Runnable.abatch(self, inputs, config, return_exceptions=return_exceptions, **kwargs)
+        configs = get_config_list(config, len(inputs))
+        limit = configs[0].get("max_concurrency")
+        slots = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
+
+        async def invoke(one: LanguageModelInput, one_config: RunnableConfig) -> Any:
+            async with slots:
+                return await self.ainvoke(one, one_config, **kwargs)
+
+        return await gather_or_cancel(invoke(one, one_config) for one, one_config in zip(inputs, configs))
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """``text`` in the engine's own tokens (in process, or through the server's /tokenize):
+        what get_num_tokens and trim_messages count (LangChain's default is GPT-2's)."""
+        return self.client.tokenize(text)
 
     def wants_stream_usage(self, kwargs: dict[str, Any]) -> bool:
         """A call's ``stream_usage`` keyword, else the instance's."""

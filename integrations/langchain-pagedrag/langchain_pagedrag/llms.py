@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -13,7 +12,7 @@ from langchain_core.outputs import GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
 from pydantic import Field
 
-from pagedrag.client import Generation, run_sync, tier_hits
+from pagedrag.client import Generation, gather_or_cancel, run_sync, tier_hits
 from pagedrag.rag.chunk_reuse_support import chunk_reuse_figures
 from pagedrag.sampling_params import SamplingParams
 
@@ -122,14 +121,8 @@ class PagedRAGLLM(LangChainSettings, BaseLLM):
         aborted."""
         if all(each is None for each in chunks):
             return await self.client.abatch(prompts, params, self.cache_salt)
-        tasks = [asyncio.ensure_future(self.client.agenerate(prompt, params, self.cache_salt, chunks=each))
-                 for prompt, each in zip(prompts, chunks)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            raise
+        return await gather_or_cancel(self.client.agenerate(prompt, params, self.cache_salt, chunks=each)
+                                      for prompt, each in zip(prompts, chunks))
 
     def _streamed(self, prompt: str, params: SamplingParams, chunks: Sequence[str] | None,
                   run_manager: CallbackManagerForLLMRun | None) -> Generation:

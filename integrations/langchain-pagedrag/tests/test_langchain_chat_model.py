@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from langchain_core.messages import AIMessageChunk, HumanMessage, SystemMessage
 from langchain_pagedrag import ChatPagedRAG
+from pagedrag.client import RemoteError
 from testing_support import ENGINE_KWARGS, TIERED_REPLY, answering_with
 
 MESSAGES = [SystemMessage("You answer in one short sentence."), HumanMessage("What is the capital of France?")]
@@ -82,6 +83,49 @@ def test_batch_is_one_engine_batch(chat, monkeypatch):
 async def test_abatch_matches_batch(chat):
     questions = ["What is one plus one?", "Name a color."]
     assert [r.content for r in await chat.abatch(questions)] == [r.content for r in chat.batch(questions)]
+
+
+def test_a_failed_batch_cancels_the_other_inputs(chat, monkeypatch):
+    """Without return_exceptions the first error is raised once the other inputs are cancelled
+    (which aborts their engine requests), not left generating behind the caller's back."""
+    import asyncio
+
+    cancelled = []
+
+    async def ainvoke(self, one, config=None, **kwargs):
+        if one == "bad":
+            raise ValueError("a bad input")
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(one)
+            raise
+
+    monkeypatch.setattr(ChatPagedRAG, "ainvoke", ainvoke)
+    with pytest.raises(ValueError, match="a bad input"):
+        chat.batch(["a", "bad", "b"])
+    assert sorted(cancelled) == ["a", "b"]
+
+
+def test_copies_connect_afresh_and_a_used_model_pickles(chat):
+    """A copy may name another engine or server: it connects on its first use; a model used
+    already copies and pickles (the engine client is left behind, and found again)."""
+    import copy
+    import pickle
+
+    answer = chat.invoke(MESSAGES).content
+    elsewhere = chat.model_copy(update={"base_url": "http://127.0.0.1:9", "engine_kwargs": {}, "max_retries": 0})
+    with pytest.raises(RemoteError, match="Connection error"):
+        elsewhere.invoke(MESSAGES)
+    for again in (pickle.loads(pickle.dumps(chat)), copy.deepcopy(chat)):
+        assert again.invoke(MESSAGES).content == answer and again.client.shared is chat.client.shared
+
+
+def test_none_per_call_means_the_models_setting_and_tokens_are_the_engines(chat):
+    assert chat.invoke(MESSAGES, temperature=None, top_p=None, n=None).content == chat.invoke(MESSAGES).content
+    text = "Paged attention stores the KV cache in blocks."
+    assert chat.get_token_ids(text) == chat.client.shared.tokenizer.encode(text, add_special_tokens=False)
+    assert chat.get_num_tokens(text) == len(chat.get_token_ids(text))
 
 
 def test_call_time_stop_and_max_tokens(chat):

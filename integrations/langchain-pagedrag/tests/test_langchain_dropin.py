@@ -157,6 +157,12 @@ def test_completion_model_logprobs_count_alternatives_as_vllm():
         ChatPagedRAG(logprobs=3)
 
 
+def test_chatopenai_field_names_for_the_server_are_taken():
+    """LangChain's vLLM recipe: VLLMOpenAI(openai_api_key="EMPTY", openai_api_base=".../v1")."""
+    llm = PagedRAGLLM(openai_api_base="http://127.0.0.1:9/v1", openai_api_key="EMPTY", request_timeout=5)
+    assert (llm.base_url, llm.api_key.get_secret_value(), llm.timeout) == ("http://127.0.0.1:9/v1", "EMPTY", 5.0)
+
+
 def test_chatopenai_stop_string_and_none_n_and_temperature_are_accepted():
     """ChatOpenAI's stop is list[str] | str | None; its n and temperature may be None (the
     engine's defaults: one completion, temperature 1.0)."""

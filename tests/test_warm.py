@@ -80,7 +80,7 @@ def test_a_warmed_conversation_is_a_cache_hit_for_the_chat(server):
     ({"prompt": "x", "prompt_segments": ["a"]}, "prompt_segments"),
     ({"prompt": ["x"] * 1025}, "prompt"),
     ({"prompt": "x" * 300}, "prompt"),
-    ({"conversations": [[{"role": "wizard", "content": "hi"}]]}, None),
+    ({"conversations": [[{"role": "", "content": "hi"}]]}, None),  # a role of the template may be any but empty
     ({"conversations": []}, "conversations"),
     ({"conversations": [[]]}, "conversations"),
     ({"prompt": "x", "cache_salt": 7}, "cache_salt"),

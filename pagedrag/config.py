@@ -51,8 +51,15 @@ def _check_whole(name: str, value: object) -> int:
     return check_int(name, value)
 
 
+def _check_names(name: str, value: object) -> list[str]:
+    """A non-empty list of non-empty strings."""
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
+        raise TypeError(f"{name} must be a name or a non-empty list of names, got {value!r}")
+    return list(value)
+
+
 _TYPE_CHECKS = {"bool": check_bool, "int": _check_whole, "float": check_float, "str": _check_text,
-                "dict": _check_mapping}
+                "dict": _check_mapping, "list": _check_names}
 
 
 def _typed(name: str, annotation: str, value: object) -> object:
@@ -87,6 +94,9 @@ class EngineArgs:
 
     model: str | None = _arg(None, "a model folder, a .gguf file, or a Hugging Face hub name (downloaded "
                                  "unless HF_HUB_OFFLINE is set); default: the embedded SmolLM2-135M-Instruct")
+    served_model_name: str | list | None = _arg(None, "the name(s) clients use for the model (the server's "
+                                                      "--served-model-name); the first labels the metrics, as "
+                                                      "vLLM's; default: the model's own")
     tokenizer: str | None = _arg(None, "a tokenizer other than the model's own: a folder or hub name")
     revision: str | None = _arg(None, "the hub revision (branch, tag or commit) of the model; default: main")
     download_dir: str | None = _arg(None, "where hub downloads go (a Hugging Face cache folder); default: HF_HOME's")
@@ -244,6 +254,12 @@ class EngineArgs:
     def speculative(self) -> SpeculativeConfig | None:
         """The validated speculative_config (None: no speculative decoding)."""
         return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
+
+    def metrics_model_name(self, model_name: str) -> str:
+        """The metrics' model_name label: the first served name, else ``model_name`` (the model's own)."""
+        if self.served_model_name is None:
+            return model_name
+        return self.served_model_name if isinstance(self.served_model_name, str) else self.served_model_name[0]
 
     @property
     def uses_kv_tiers(self) -> bool:

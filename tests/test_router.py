@@ -28,7 +28,7 @@ from pagedrag.core.block_hash import extend_block_hashes
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
 from pagedrag.router import data_parallel
 from pagedrag.router.data_parallel import ROUTER_DESTS, LocalReplica, Replicas, _send, replica_argv
-from pagedrag.router.metrics_sum import merge_metrics
+from pagedrag.router.metrics_sum import CumulativeMemory, merge_metrics
 from pagedrag.router.prompt_blocks import PromptBlocks
 from pagedrag.router.warm_fanout import warm_every_replica
 from pagedrag.server.background import free_port
@@ -244,6 +244,23 @@ def test_merged_metrics_label_each_replica_and_sum_them():
     assert merged["pagedrag:kv_cache_usage_perc"][(("model_name", "m"),)] == pytest.approx(0.4)
     assert merged["pagedrag:kv_tier_capacity_bytes"][(("tier", "disk"),)] == 1 << 30
     assert merged["pagedrag:kv_tier_capacity_bytes"][(("tier", "host"),)] == 8
+
+
+def test_summed_counters_never_go_down_when_a_replica_restarts_or_misses_a_scrape():
+    def replica(tokens: float) -> str:
+        registry = CollectorRegistry()
+        Counter("pagedrag:prompt_tokens", "Prompt tokens.", registry=registry).inc(tokens)
+        return generate_latest(registry).decode()
+
+    def total(texts: dict[str, str]) -> float:
+        families = text_string_to_metric_families(merge_metrics(texts, memory))
+        return next(s.value for f in families for s in f.samples if s.name == "pagedrag:prompt_tokens_total"
+                    and "replica" not in s.labels)
+
+    memory = CumulativeMemory()
+    assert total({"0": replica(6), "1": replica(4)}) == 10
+    assert total({"0": replica(1), "1": replica(4)}) == 11  # replica 0 restarted: its 6 stay counted
+    assert total({"1": replica(5)}) == 12  # replica 0 missed the scrape: its last value stays
 
 
 def test_replica_command_line_keeps_every_flag_but_the_routers():

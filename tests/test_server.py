@@ -312,6 +312,13 @@ def test_bad_chat_is_400(server, body):
     ({"temperature": -0.5}, "temperature"),
     ({"cache_salt": "s" * 5000}, "cache_salt"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),  # not among the tools
+    ({"tool_choice": "required"}, "tool_choice"),  # and no tools
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"guided_regex": "(?=a)b"}, "guided_regex"),  # refused when compiled
 ])
 def test_a_chat_error_names_the_field_the_client_sent(server, fields, param):
     body = {"messages": [{"role": "user", "content": "hi"}], **fields}
@@ -365,6 +372,8 @@ def test_api_key_required(server):
     _assert_error(_post(server.base_url, "/v1/completions", body, key="wrong"), 401)
     _assert_error(httpx.get(server.base_url + "/v1/models"), 401)
     assert _post(server.base_url, "/v1/completions", body, key=KEYS[1]).status_code == 200
+    _assert_error(_post(server.base_url, "/generate", {"prompt": "x", "max_tokens": 1}, key=None), 401)  # generates too
+    assert _post(server.base_url, "/generate", {"prompt": "x", "max_tokens": 1}, key=KEYS[0]).status_code == 200
 
 
 def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
@@ -492,13 +501,15 @@ def test_every_engine_arg_is_a_flag():
 
 
 def test_serve_subprocess_logs_pool_and_exports_metrics(tmp_path):
-    """`pagedrag serve` logs the KV pool at start and serves pagedrag:gpu_cache_usage_perc."""
+    """`pagedrag serve` logs the KV pool at start and serves pagedrag:gpu_cache_usage_perc, labelled
+    with the first --served-model-name."""
     port = free_port()
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "pagedrag", "serve", "--port", str(port), "--max-model-len", "256",
-             "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--enable-prefix-caching"],
+             "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--enable-prefix-caching",
+             "--served-model-name", "rag-model", "smol"],
             stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
@@ -515,6 +526,7 @@ def test_serve_subprocess_logs_pool_and_exports_metrics(tmp_path):
         assert process.wait(timeout=60) == 0  # Ctrl-C: a graceful exit
     assert "Traceback" not in log_path.read_text()
     assert any(line.startswith("pagedrag:gpu_cache_usage_perc") for line in metrics.splitlines())
+    assert 'model_name="rag-model"' in metrics  # the first served name, as vLLM labels its metrics
     assert "num_cpu_blocks=64" in log_path.read_text()
 
 

@@ -17,12 +17,17 @@ from pagedrag.server.serving import ServerConfig
 
 
 @pytest.fixture(scope="module")
-def server():
+def engine():
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(max_model_len=256, num_gpu_blocks_override=64,
                                                         max_num_seqs=8))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
     with BackgroundServer(build_app(engine, ServerConfig(served_model_names=["smol"]))) as running:
         yield running
-    engine.shutdown()
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
@@ -37,6 +42,16 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert chat["count"] > 3
     assert _post(server, "/detokenize", {"tokens": [10**9]}).status_code == 400
     assert _post(server, "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}).status_code == 400
+
+
+def test_tokenize_renders_a_chat_with_the_operators_template(server, engine):
+    """/tokenize counts a chat as the chat route renders it: through --chat-template when given."""
+    template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with BackgroundServer(build_app(engine, ServerConfig(served_model_names=["smol"], chat_template=template))) as own:
+        counted = _post(own, "/tokenize", {"messages": messages}).json()["count"]
+        used = _post(own, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}).json()["usage"]
+    assert counted == used["prompt_tokens"] < _post(server, "/tokenize", {"messages": messages}).json()["count"]
 
 
 def test_version_and_ping(server):

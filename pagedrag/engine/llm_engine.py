@@ -103,7 +103,7 @@ class LLMEngine:
         self._failed_outputs: list[RequestOutput] = []
         self.stop_policy = StopPolicy(self.eos_token_ids, self.max_model_len)
         self.groups: dict[str, RequestGroup] = {}
-        self.metrics = EngineMetrics(self.model_name, args.metrics_prefix)
+        self.metrics = EngineMetrics(args.metrics_model_name(self.model_name), args.metrics_prefix)
         self.stats_log = None if args.disable_log_stats else StatsLog()
         self._request_counter = itertools.count()
         log_pool(self.device, self.shape, self.num_blocks, self.max_model_len)

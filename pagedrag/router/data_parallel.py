@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
-from pagedrag.router.metrics_sum import merge_metrics, merge_stats
+from pagedrag.router.metrics_sum import CumulativeMemory, merge_metrics, merge_stats
 from pagedrag.router.prompt_blocks import PromptBlocks
 from pagedrag.router.proxy_headers import forwarded_headers
 from pagedrag.router.warm_fanout import WARM_PATH, warm_every_replica
@@ -129,6 +129,7 @@ class Replicas:
     client: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=None))
     on_failure: Callable[[], None] = lambda: None  # called once a replica cannot start: stop serving
     failure: str | None = None
+    metrics_memory: CumulativeMemory = field(default_factory=CumulativeMemory)  # /metrics sums never go down
 
     def up(self) -> list[LocalReplica]:
         return [replica for replica in self.replicas if replica.up and not replica.exited()]
@@ -245,7 +246,8 @@ def build_router_app(replicas: Replicas) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         texts = {name: reply.text for name, reply in (await replicas.figures("/metrics", {})).items()}
-        return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(merge_metrics(texts, replicas.metrics_memory),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/stats")
     async def stats(request: Request) -> Response:

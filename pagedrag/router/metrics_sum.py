@@ -1,7 +1,8 @@
 """One /metrics and one /v1/stats for several replicas.
 
 /metrics: each replica's series with a ``replica`` label, and the sum over replicas without
-it (the mean for the usage fractions, ``*_perc``; the largest for a gauge of the disk tier,
+it (for counters and histograms one that never goes down: ``CumulativeMemory``; the mean for
+the usage fractions, ``*_perc``; the largest for a gauge of the disk tier,
 one directory that the replicas share, so its use and capacity are not theirs to add), so that
 a dashboard built for one engine reads the whole deployment unchanged. Creation-time series
 (``*_created``) are left out.
@@ -22,10 +23,34 @@ _SHARED_LABEL = ("tier", "disk")  # gauges of the one directory the replicas sha
 _SETTINGS = {"block_size", "max_model_len", "device"}
 
 
-def merge_metrics(texts: Mapping[str, str]) -> str:
-    """Prometheus texts by replica name -> one Prometheus text."""
+_CUMULATIVE = ("counter", "histogram", "summary")  # series that only grow while a process lives
+
+
+class CumulativeMemory:
+    """Keeps the sums of cumulative series (counters, histograms) from ever going down: a
+    replica that restarts starts its series from 0 again, and one that misses a scrape is not
+    in it. For each series it holds each replica's last value and what that replica counted
+    before its restarts (a value lower than the last one is a restart)."""
+
+    def __init__(self) -> None:
+        self._series: dict[tuple, dict[str, list[float]]] = defaultdict(dict)  # key -> replica -> [last, before]
+
+    def total(self, key: tuple, values: Mapping[str, float]) -> float:
+        """The series' sum over every replica ever seen, ``values`` (by replica) the newest."""
+        seen = self._series[key]
+        for replica, value in values.items():
+            last, before = seen.get(replica, (0.0, 0.0))
+            seen[replica] = [value, before + last if value < last else before]
+        return sum(last + before for last, before in seen.values())
+
+
+def merge_metrics(texts: Mapping[str, str], memory: CumulativeMemory | None = None) -> str:
+    """Prometheus texts by replica name -> one Prometheus text. ``memory`` (the caller's,
+    kept across scrapes) keeps the sums of cumulative series from going down when a replica
+    restarts or misses a scrape; without it they are this scrape's sums."""
+    memory = CumulativeMemory() if memory is None else memory
     families: dict[str, tuple[str, str, list[str]]] = {}
-    totals: dict[str, dict[tuple, list[float]]] = defaultdict(lambda: defaultdict(list))
+    totals: dict[str, dict[tuple, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
     for replica, text in texts.items():
         for family in text_string_to_metric_families(text):
             if family.name.endswith("_created"):  # creation times: meaningless summed
@@ -35,18 +60,22 @@ def merge_metrics(texts: Mapping[str, str]) -> str:
             _, _, lines = families.setdefault(name, (family.type, family.documentation, []))
             for sample in family.samples:
                 lines.append(_line(sample.name, {**sample.labels, "replica": replica}, sample.value))
-                totals[name][(sample.name, tuple(sorted(sample.labels.items())))].append(sample.value)
+                totals[name][(sample.name, tuple(sorted(sample.labels.items())))][replica] = sample.value
     out = []
     for name, (kind, documentation, lines) in families.items():
         out.append(f"# HELP {name} {_escape_help(documentation)}")
         out.append(f"# TYPE {name} {kind}")
         out.extend(lines)
         for (sample_name, labels), values in totals[name].items():
-            out.append(_line(sample_name, dict(labels), _total(name, kind, labels, values)))
+            total = memory.total((sample_name, labels), values) if kind in _CUMULATIVE else \
+                _total(name, kind, labels, list(values.values()))
+            out.append(_line(sample_name, dict(labels), total))
     return "\n".join(out) + "\n"
 
 
 def _total(name: str, kind: str, labels: tuple, values: list[float]) -> float:
+    """A gauge's value over the replicas: the mean of fractions, the largest of the shared
+    disk tier's, else the sum."""
     if name.endswith(_MEAN_SUFFIX):
         return sum(values) / len(values)
     if kind == "gauge" and _SHARED_LABEL in labels:

@@ -41,7 +41,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
-from pagedrag.router.metrics_sum import merge_metrics
+from pagedrag.router.metrics_sum import CumulativeMemory, merge_metrics
 from pagedrag.router.prompt_blocks import PromptBlocks
 from pagedrag.router.proxy_headers import forwarded_headers
 from pagedrag.router.warm_fanout import WARM_PATH, WarmAnswer, combined
@@ -235,11 +235,13 @@ ingress_app = FastAPI(title="pagedrag on Ray Serve")
 class Ingress:
     def __init__(self, engine: DeploymentHandle):
         self.engine = engine.options(stream=True)
+        self.metrics_memory = CumulativeMemory()  # this ingress replica's: its sums never go down
 
     @ingress_app.get("/metrics")
     async def metrics(self) -> Response:
         texts = await _board().fresh.remote()
-        return Response(merge_metrics(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(merge_metrics(texts, self.metrics_memory),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @ingress_app.post(WARM_PATH)
     async def warm(self, request: Request) -> Response:

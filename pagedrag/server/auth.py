@@ -1,4 +1,5 @@
-"""API keys (Bearer tokens on /v1/*) and the per-tenant cache salt derived from them.
+"""API keys (Bearer tokens on /v1/* and the legacy /generate) and the per-tenant cache salt
+derived from them.
 
 Keys are compared in constant time and never logged; a tenant's salt is a sha256
 of its key, so the key itself never reaches the engine either.
@@ -14,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedrag.server.errors import APIError
 
-PROTECTED_PREFIX = "/v1"
+PROTECTED_PREFIXES = ("/v1", "/generate")  # every route that generates (/tokenize runs no model, as vLLM's)
 
 
 def bearer_token(headers: Headers) -> str | None:
@@ -26,7 +27,8 @@ def bearer_token(headers: Headers) -> str | None:
 
 
 class ApiKeyMiddleware:
-    """Answers 401 to /v1/* requests without one of the keys (health and metrics stay open).
+    """Answers 401 to requests of the protected routes (/v1/*, /generate) without one of the
+    keys (health, metrics and tokenizing stay open).
 
     A plain ASGI middleware: it never wraps the response, so streaming and
     disconnect detection pass through untouched.
@@ -37,7 +39,7 @@ class ApiKeyMiddleware:
         self._keys = [key.encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX) and not self._allowed(scope):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES) and not self._allowed(scope):
             error = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                              code="invalid_api_key")
             await error.response()(scope, receive, send)

@@ -23,7 +23,7 @@ async def create_chat_completion(serving: Serving, request: ChatCompletionReques
     plan, params = serving.plan_tools(request, params)
     prompt = await unless_disconnected(
         http_request, serving.chat_prompt(request, serving.cache_salt(http_request, request), plan))
-    run = await serving.start(http_request, params, [prompt], envelope, request.max_tokens_field)
+    run = await serving.start(http_request, params, [prompt], envelope, request)
     if request.stream:
         return sse_response(_chunks(serving, request, envelope, run, plan), run.close)
     deltas = await unless_disconnected(http_request, run.final())

@@ -33,13 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine (pagedrag.EngineArgs)")
     hints = typing.get_type_hints(EngineArgs)
     for field in dataclasses.fields(EngineArgs):
-        if field.name != "model":
+        if field.name not in ("model", "served_model_name"):  # a positional; a server flag below
             _add_engine_flag(engine, field, hints[field.name])
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
     server.add_argument("--port", type=_port, default=8000, help="(default: %(default)s)")
     server.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several keys")
+                        help="require 'Authorization: Bearer KEY' on /v1/* and /generate; repeat for several keys")
     server.add_argument("--salt-by-api-key", action="store_true",
                         help="give each API key its own prefix-cache salt (tenants never share blocks)")
     server.add_argument("--max-queue", type=positive_int, default=None,
@@ -146,7 +146,9 @@ def _base_type(hint) -> type:
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{name: getattr(args, name) for name in EngineArgs.field_names()})
+    """The engine's arguments: its flags, and the served names (they label its metrics)."""
+    names = EngineArgs.field_names() - {"served_model_name"}
+    return EngineArgs(**{name: getattr(args, name) for name in names}, served_model_name=args.served_model_names)
 
 
 def template_text(value: str | None) -> str | None:

@@ -19,7 +19,7 @@ async def create_completion(serving: Serving, request: CompletionRequest,
     envelope, params = serving.check(request)
     prompts = await unless_disconnected(
         http_request, serving.completion_prompts(request, serving.cache_salt(http_request, request)))
-    run = await serving.start(http_request, params, prompts, envelope, request.max_tokens_field)
+    run = await serving.start(http_request, params, prompts, envelope, request)
     if request.stream:
         return sse_response(_chunks(serving, request, envelope, run), run.close)
     deltas = await unless_disconnected(http_request, run.final())

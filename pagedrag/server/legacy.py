@@ -42,7 +42,7 @@ async def generate(body: GenerateRequest, http_request: Request):
     envelope, params = serving.check(request)
     prompts = await unless_disconnected(
         http_request, serving.completion_prompts(request, serving.cache_salt(http_request, request)))
-    run = await serving.start(http_request, params, prompts, envelope, request.max_tokens_field)
+    run = await serving.start(http_request, params, prompts, envelope, request)
     texts = [body.prompt] * params.n
     if body.stream:
         return StreamingResponse(_updates(run, texts), media_type="application/octet-stream")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pagedrag.server.auth import PROTECTED_PREFIX
+from pagedrag.server.auth import PROTECTED_PREFIXES
 from pagedrag.server.protocol import ErrorResponse
 
 MEANINGS = {
@@ -52,7 +52,7 @@ def _app_codes(path: str, method: str, api_keys: bool) -> tuple[int, ...]:
     codes = [500]
     if method == "post":
         codes.append(413)
-    if api_keys and path.startswith(PROTECTED_PREFIX):
+    if api_keys and path.startswith(PROTECTED_PREFIXES):
         codes.append(401)
     return tuple(codes)
 

@@ -49,6 +49,11 @@ MAX_PROMPTS_PER_REQUEST = 1024  # prompts in one batched /v1/completions request
 MAX_PROMPT_CHUNKS = 256  # texts in prompt_chunks: each is searched for in the prompt
 
 
+def named(field: str, error: Exception) -> str:
+    """An error's message, led by the request field it is about unless it names it already."""
+    return str(error) if field in str(error) else f"{field}: {error}"
+
+
 class StrictRequest(BaseModel):
     """A request body: strict JSON types, UTF-8 strings, unknown fields logged and ignored."""
 
@@ -208,13 +213,24 @@ class SamplingRequest(StrictRequest):
             truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs,
             structured_outputs=self.structured_outputs_params(), speculative_decoding=self.speculative_decoding)
 
+    @property
+    def constraint_field(self) -> str:
+        """The field that carries the output constraint, named by errors about it."""
+        named = [name for name in ("structured_outputs", *self.GUIDED, "response_format")
+                 if getattr(self, name) is not None]
+        return named[0] if named else "structured_outputs"
+
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The request's output constraint, from whichever one field gave it (ValueError for
-        two, or for a bad one)."""
+        """The request's output constraint, from whichever one field gave it (a ParameterError
+        naming the fields for two, or the field of a bad one)."""
         given = self._constraint_sources()
         if len(given) > 1:
-            raise ValueError(f"give one output constraint, got {sorted(given)}")
-        return StructuredOutputsParams.from_any(next(iter(given.values()), None))
+            raise ParameterError(sorted(given)[0], f"give one output constraint, got {sorted(given)}")
+        name, fields = next(iter(given.items()), (self.constraint_field, None))
+        try:
+            return StructuredOutputsParams.from_any(fields)
+        except (ValueError, TypeError) as error:
+            raise ParameterError(name, named(name, error)) from None
 
     def _constraint_sources(self) -> dict[str, dict]:
         """Each field that constrains the output, as StructuredOutputsParams fields."""
@@ -223,9 +239,13 @@ class SamplingRequest(StrictRequest):
             if getattr(self, name) is not None and name != "guided_whitespace_pattern":
                 sources[name] = {field: getattr(self, name)}
         if self.guided_whitespace_pattern is not None:
-            raise ValueError("guided_whitespace_pattern is an outlines option that xgrammar does not take; "
-                             "use structured_outputs.disable_any_whitespace for compact JSON")
-        constraint = response_format_fields(self.response_format)
+            raise ParameterError("guided_whitespace_pattern",
+                                 "guided_whitespace_pattern is an outlines option that xgrammar does not take; "
+                                 "use structured_outputs.disable_any_whitespace for compact JSON")
+        try:
+            constraint = response_format_fields(self.response_format)
+        except (ValueError, TypeError) as error:
+            raise ParameterError("response_format", named("response_format", error)) from None
         if constraint is not None:
             sources["response_format"] = constraint
         return sources

@@ -21,7 +21,8 @@ from pagedrag.server.auth import bearer_token, tenant_cache_salt
 from pagedrag.server.errors import APIError, as_api_error, engine_dead
 from pagedrag.server.logprobs import LogprobFormatter
 from pagedrag.server.chat_template import RequestTemplateRenderer
-from pagedrag.server.protocol import ChatCompletionRequest, CompletionRequest, PromptTokensDetails, SamplingRequest, Usage
+from pagedrag.server.protocol import (ChatCompletionRequest, CompletionRequest, PromptTokensDetails, SamplingRequest,
+                                      Usage, named)
 from pagedrag.server.streams import merge_streams, unless_disconnected
 from pagedrag.tools import ToolPlan
 
@@ -175,7 +176,7 @@ class Serving:
                 return None, params
             return plan, plan.constrain(params)
         except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param="tools") from error
+            raise APIError(400, str(error), param=getattr(error, "param", "tools")) from error
 
     async def chat_prompt(self, request: ChatCompletionRequest, salt: str | None,
                           tools: ToolPlan | None = None) -> ProcessedPrompt:
@@ -262,27 +263,27 @@ class Serving:
         return Envelope.new(request.PREFIX, model, request.request_id), params
 
     async def start(self, http_request: Request, params: SamplingParams, prompts: list[ProcessedPrompt],
-                    envelope: Envelope, max_tokens_field: str) -> Run:
+                    envelope: Envelope, request: SamplingRequest) -> Run:
         """Queue the checked prompts (together: one engine batch) and wait for the first output
-        (400 if a prompt leaves no room for max_tokens, named as the request's ``max_tokens_field``;
-        ClientDisconnected if the client leaves first)."""
+        (400 if a prompt leaves no room for max_tokens, or the constraint cannot compile, named as
+        ``request``'s fields; ClientDisconnected if the client leaves first)."""
         for prompt in prompts:
-            self._check_room(len(prompt.token_ids), params.max_tokens, max_tokens_field)
+            self._check_room(len(prompt.token_ids), params.max_tokens, request.max_tokens_field)
         if params.structured_outputs is not None:
-            await unless_disconnected(http_request, self._compile_constraint(params))
+            await unless_disconnected(http_request, self._compile_constraint(params, request.constraint_field))
         streams = self.engine.generate_batch([(prompt, params) for prompt in prompts],
                                              [f"{envelope.id}-{index}" for index in range(len(prompts))])
         run = Run(merge_streams(streams), params)
         await run.prime(http_request)
         return run
 
-    async def _compile_constraint(self, params: SamplingParams) -> None:
-        """Compile the output constraint on an input thread (400 if it cannot be): never on
-        the event loop, nor on the engine thread, which then finds it cached."""
+    async def _compile_constraint(self, params: SamplingParams, field: str) -> None:
+        """Compile the output constraint on an input thread (400 naming ``field`` if it cannot
+        be): never on the event loop, nor on the engine thread, which then finds it cached."""
         try:
             await self.engine.preprocess(lambda inputs: inputs.compile_constraint(params))
         except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param="structured_outputs") from error
+            raise APIError(400, named(field, error), param=field) from error
 
     def _check_room(self, num_prompt_tokens: int, max_tokens: int | None, field: str) -> None:
         """As vLLM's server: the prompt plus max_tokens (the request's ``field``) must fit max_model_len."""

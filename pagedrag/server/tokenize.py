@@ -46,7 +46,7 @@ async def tokenize(body: TokenizeRequest, http_request: Request) -> JSONResponse
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt and messages", param="prompt")
     try:
-        token_ids = await serving.engine.preprocess(lambda inputs: _token_ids(inputs, body))
+        token_ids = await serving.engine.preprocess(lambda inputs: _token_ids(inputs, body, serving.config.chat_template))
     except (ValueError, TypeError) as error:  # a conversation the chat template cannot take
         raise APIError(400, str(error), param="messages") from error
     answer: dict[str, Any] = {"count": len(token_ids), "max_model_len": serving.max_model_len, "tokens": token_ids}
@@ -55,11 +55,14 @@ async def tokenize(body: TokenizeRequest, http_request: Request) -> JSONResponse
     return JSONResponse(answer)
 
 
-def _token_ids(inputs, body: TokenizeRequest) -> list[int]:
+def _token_ids(inputs, body: TokenizeRequest, chat_template: str | None) -> list[int]:
+    """The prompt's tokens, or the messages' through the chat template the chat route uses (the
+    operator's --chat-template, else the model's)."""
     if body.prompt is not None:
         return inputs.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     conversation = [message.model_dump(exclude_none=True) for message in body.messages]
-    text = inputs.render_chat_text(conversation, body.add_generation_prompt)
+    template = {} if chat_template is None else {"chat_template": chat_template}
+    text = inputs.render_chat_text(conversation, body.add_generation_prompt, **template)
     return inputs.tokenizer.encode(text, add_special_tokens=False)
 
 

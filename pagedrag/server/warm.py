@@ -94,7 +94,7 @@ async def warm(body: WarmRequest, http_request: Request) -> WarmResponse:
     envelope, params = serving.check(requests[0], copies=len(requests))
     prompts = await unless_disconnected(
         http_request, _prompts(serving, requests, serving.cache_salt(http_request, requests[0])))
-    run = await serving.start(http_request, params, prompts, envelope, requests[0].max_tokens_field)
+    run = await serving.start(http_request, params, prompts, envelope, requests[0])
     await unless_disconnected(http_request, run.final())
     try:
         await serving.engine.flush_tiers()

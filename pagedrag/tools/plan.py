@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagedrag.sampling_params import ParameterError
 from pagedrag.structured.params import StructuredOutputsParams
 from pagedrag.structured.schema_oneof import resolve
 from pagedrag.structured.schema_support import EXCLUSIVE, schema_nodes
@@ -315,15 +316,15 @@ def _check_choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
         return "auto", None
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or {{'type': 'function', "
-                             f"'function': {{'name': ...}}}}, got {tool_choice!r}")
+            raise ParameterError("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or "
+                                                f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}")
         if tool_choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools, and none were given")
+            raise ParameterError("tool_choice", "tool_choice 'required' needs tools, and none were given")
         return tool_choice, None
     name = _named_function(tool_choice)
     if name not in names:
-        raise ValueError(f"tool_choice names function {name!r}, which is not among the tools "
-                         f"({', '.join(names) or 'none were given'})")
+        raise ParameterError("tool_choice", f"tool_choice names function {name!r}, which is not among the tools "
+                                            f"({', '.join(names) or 'none were given'})")
     return "named", name
 
 
@@ -335,5 +336,5 @@ def _named_function(tool_choice: Any) -> str:
     function = tool_choice.get("function")
     if tool_choice.get("type") != "function" or set(tool_choice) != _TOOL_KEYS or not isinstance(function, Mapping) \
             or set(function) != {"name"} or not isinstance(function["name"], str):
-        raise ValueError(f"a named tool_choice must be {shape}, got {tool_choice!r:.200}")
+        raise ParameterError("tool_choice", f"a named tool_choice must be {shape}, got {tool_choice!r:.200}")
     return function["name"]

@@ -167,6 +167,11 @@ def test_model_not_available_locally(tmp_path):
         load_model("pagedrag-test/no-such-model", dtype=torch.float32, device="cpu")
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    with pytest.raises(FileNotFoundError, match="no model folder at"):  # a path, not a hub name
+        load_model(str(tmp_path / "missing"), dtype=torch.float32, device="cpu")
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(FileNotFoundError, match="is a file"):
+        load_model(str(tmp_path / "a-file"), dtype=torch.float32, device="cpu")
 
 
 def test_model_from_local_hub_cache(tmp_path, monkeypatch):

@@ -188,6 +188,11 @@ def resolve_checkpoint(model: str | None, hub: HubOptions = HubOptions()) -> Pat
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {model!r} does not exist")
         return gguf_checkpoint(path)
+    if path.is_file():
+        raise FileNotFoundError(f"model {model!r} is a file: give a model folder (config.json, tokenizer, weights), "
+                                "a .gguf file or a hub name")
+    if model.startswith(("/", "./", "../", "~")):  # a path, never a hub name
+        raise FileNotFoundError(f"no model folder at {model!r}")
     return hub_snapshot(model, hub)
 
 

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -102,6 +103,20 @@ def test_a_replica_at_its_max_queue_passes_the_request_to_another():
     everyone_full = _fake_replicas({"a": full, "b": full})
     assert asyncio.run(_send(everyone_full, request, b"{}", [])).status_code == 503  # the last one's answer
     assert [r.in_flight for r in replicas.replicas + everyone_full.replicas] == [0, 1, 0, 1]  # 1: being sent
+
+
+def test_a_body_over_the_replicas_size_limit_is_refused_by_the_router_before_it_is_read():
+    """The router applies the replicas' --max-request-bytes itself: a larger body gets their
+    413 there, declared or chunked, and no replica is asked."""
+    seen = []
+    replicas = _fake_replicas({"a": httpx.Response(200)})
+    replicas.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: seen.append(request)))
+    client = TestClient(data_parallel.build_router_app(replicas, max_request_bytes=1000))  # no lifespan
+    declared = client.post("/v1/completions", content=b"x" * 1001, headers={"content-type": "application/json"})
+    chunked = client.post("/v1/completions", content=iter([b"x" * 600, b"x" * 600]))
+    for reply in (declared, chunked):
+        assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+    assert seen == []
 
 
 def test_requests_waiting_on_a_replica_that_stops_answering_go_to_another(monkeypatch):

@@ -50,7 +50,8 @@ from pagedrag.router.prompt_blocks import PromptBlocks
 from pagedrag.router.proxy_headers import forwarded_headers
 from pagedrag.router.warm_fanout import WARM_PATH, warm_every_replica
 from pagedrag.server.background import free_port
-from pagedrag.server.errors import APIError
+from pagedrag.server.body_limit import BodySizeLimitMiddleware
+from pagedrag.server.errors import APIError, install_error_handlers
 from pagedrag.server.shutdown import ABORT_DRAIN_S, SignalledServer
 
 logger = logging.getLogger("pagedrag")
@@ -225,7 +226,9 @@ class Replicas:
         await self.client.aclose()
 
 
-def build_router_app(replicas: Replicas) -> FastAPI:
+def build_router_app(replicas: Replicas, max_request_bytes: int) -> FastAPI:
+    """The router's endpoint. Bodies over ``max_request_bytes`` (the replicas' own
+    --max-request-bytes) get 413 here, before the router reads or tokenizes them."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         supervisor = asyncio.create_task(replicas.supervise())
@@ -234,10 +237,8 @@ def build_router_app(replicas: Replicas) -> FastAPI:
         await replicas.stop()
 
     app = FastAPI(title="pagedrag router", lifespan=lifespan)
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> Response:
-        return error.response()
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -427,7 +428,7 @@ def serve_replicas(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     replicas = Replicas([LocalReplica(str(index), argv) for index in range(args.data_parallel_size)], chooser, blocks)
     logger.info("routing (%s) over %d replicas of `pagedrag serve %s` on http://%s:%d", args.router_policy,
                 args.data_parallel_size, " ".join(argv), args.host, args.port)
-    server = RouterServer(build_router_app(replicas), replicas, args.shutdown_timeout, host=args.host,
+    server = RouterServer(build_router_app(replicas, args.max_request_bytes), replicas, args.shutdown_timeout, host=args.host,
                           port=args.port, log_level=args.log_level)
     replicas.on_failure = lambda: setattr(server, "should_exit", True)
     server.run()

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedrag.server.errors import APIError
+from pagedrag.server.errors import APIError, BodyTooLarge
 
 
 class BodySizeLimitMiddleware:
@@ -37,9 +36,7 @@ class BodySizeLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    # Raised inside the body read: FastAPI re-raises HTTPExceptions, the
-                    # error handlers turn it into the same 413 body.
-                    raise HTTPException(413, self._too_large().body.error.message)
+                    raise BodyTooLarge(self._too_large())
             return message
 
         return counted

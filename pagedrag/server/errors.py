@@ -46,6 +46,15 @@ class APIError(Exception):
         return JSONResponse(self.body.model_dump(), status_code=self.status)
 
 
+class BodyTooLarge(HTTPException):
+    """A body that passed --max-request-bytes while it was read. Raised inside the body read,
+    where FastAPI re-raises only HTTPExceptions; answered as ``error`` (413 request_too_large)."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.status, error.body.error.message)
+        self.error = error
+
+
 def _encodable(text: str) -> str:
     """``text`` with lone surrogates escaped (\\udc80), so that it always encodes as UTF-8."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -93,6 +102,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        if isinstance(error, BodyTooLarge):
+            return error.error.response()
         return APIError(error.status_code, str(error.detail)).response()
 
     @app.exception_handler(ClientDisconnected)

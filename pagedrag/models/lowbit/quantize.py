@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagedrag.models.lowbit.groups import Groups
-from pagedrag.models.lowbit.layouts import COMPUTE_DTYPE, Int8Layout
+from pagedrag.models.lowbit.layouts import COMPUTE_DTYPE, Int8Layout, LayoutShapeError
 
 INT4_GROUP_SIZE = 32
 
@@ -21,7 +21,7 @@ def int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Grou
     """``weight`` [N, K] (K a multiple of group_size) as 4-bit asymmetric groups."""
     rows, columns = weight.shape
     if columns % group_size:
-        raise ValueError(f"int4 quantization needs in_features divisible by {group_size}, got {columns}")
+        raise LayoutShapeError(f"int4 quantization needs in_features divisible by {group_size}, got {columns}")
     grouped = weight.float().view(rows, columns // group_size, group_size)
     low, high = grouped.amin(-1), grouped.amax(-1)
     scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)

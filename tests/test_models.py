@@ -181,6 +181,27 @@ def test_a_model_folder_without_a_tokenizer_says_so_and_what_to_pass(tmp_path):
         load_model(str(path), dtype=torch.float32, device="cpu")
 
 
+def test_tokenizer_may_be_a_tokenizer_only_folder(tmp_path):
+    path = make_tiny_model(tmp_path, "llama")
+    loader.load_tokenizer(str(path)).save_pretrained(tmp_path / "tokenizer-only")  # no config.json
+    assert loader.load_tokenizer(str(tmp_path / "tokenizer-only")).encode("ab") == [64, 65]
+    loaded = load_model(str(path), dtype=torch.float32, device="cpu",
+                        source=loader.ModelSource(tokenizer=str(tmp_path / "tokenizer-only")))
+    assert loaded.tokenizer.encode("ab") == [64, 65]
+
+
+def test_gguf_files_that_do_not_parse_are_named_and_same_sized_ones_are_cached_apart(tmp_path):
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    for name in ("empty.gguf", "junk.gguf"):
+        with pytest.raises(ValueError, match=f"cannot read GGUF file .*{name}"):
+            loader.load_tokenizer(str(tmp_path / name))
+    for folder in ("v1", "v2"):  # one name, one size: a tokenizer cached for one is not the other's
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "model.gguf").write_bytes(b"x" * 64)
+    assert loader.gguf_key(tmp_path / "v1" / "model.gguf") != loader.gguf_key(tmp_path / "v2" / "model.gguf")
+
+
 def test_model_from_local_hub_cache(tmp_path, monkeypatch):
     import huggingface_hub.constants
     revision = "0123456789abcdef0123456789abcdef01234567"

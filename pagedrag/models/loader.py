@@ -45,6 +45,7 @@ from pagedrag.models.hub import HubOptions, hub_snapshot
 from pagedrag.distributed.group import SINGLE, TensorParallelGroup
 from pagedrag.models.llama import LlamaForCausalLM, RMSNorm, architecture_of, check_splittable
 from pagedrag.models.lowbit.apply import quantize_model
+from pagedrag.models.lowbit.gguf_groups import reading_gguf
 from pagedrag.models.lowbit.methods import resolve_quantization
 from pagedrag.models.parallel_layers import load_weight
 
@@ -215,12 +216,17 @@ def embedded_checkpoint() -> Path:
 def gguf_checkpoint(gguf: Path) -> Path:
     """A user's GGUF file as a cached safetensors checkpoint (keyed by its path, size and
     modification time, so an edited file converts again)."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / f"gguf-{gguf.stem.lower()}-{key}-{_CACHE_FORMAT}"
+    target = cache_dir() / f"gguf-{gguf.stem.lower()}-{gguf_key(gguf)}-{_CACHE_FORMAT}"
     if not target.is_dir():
         _write_atomically(target, lambda tmp: _convert_gguf(gguf, tmp))
     return target
+
+
+def gguf_key(gguf: Path) -> str:
+    """What names a GGUF file's cached conversions: its resolved path, size and modification
+    time (an edited file, or another file of the same name and size, converts anew)."""
+    stat = gguf.stat()
+    return hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
 def load_tokenizer(model: str | None = None, source: ModelSource = ModelSource()):
@@ -234,13 +240,21 @@ def load_tokenizer(model: str | None = None, source: ModelSource = ModelSource()
     """
     gguf = _gguf_file(model)
     if gguf is None:
-        return AutoTokenizer.from_pretrained(resolve_checkpoint(model, source.hub),
-                                             trust_remote_code=source.trust_remote_code)
-    saved = cache_dir() / f"tokenizer-{gguf.stem.lower()}-{gguf.stat().st_size}"
+        folder = None if model is None else Path(model).expanduser()
+        if folder is None or not folder.is_dir() or (folder / "config.json").is_file():
+            folder = resolve_checkpoint(model, source.hub)  # a tokenizer-only folder needs no config.json
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=source.trust_remote_code)
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file {model!r} does not exist")
+    saved = cache_dir() / f"tokenizer-{gguf.stem.lower()}-{gguf_key(gguf)}"
     if not saved.is_dir():
-        _write_atomically(saved, lambda folder: AutoTokenizer.from_pretrained(
-            gguf.parent, gguf_file=gguf.name).save_pretrained(folder))
+        _write_atomically(saved, lambda folder: _save_gguf_tokenizer(gguf, folder))
     return AutoTokenizer.from_pretrained(saved)
+
+
+def _save_gguf_tokenizer(gguf: Path, folder: Path) -> None:
+    with reading_gguf(gguf):
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
 
 
 def _is_embedded(model: str | None) -> bool:
@@ -296,7 +310,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with reading_gguf(gguf):
+        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config_dict = {k: v for k, v in hf_model.config.to_dict().items() if k != "quantization_config"}
     config = type(hf_model.config).from_dict(config_dict)
     config.architectures = [type(hf_model).__name__]
@@ -306,7 +321,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(out)
     hf_model.generation_config.save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    _save_gguf_tokenizer(gguf, out)
 
 
 def _empty_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,

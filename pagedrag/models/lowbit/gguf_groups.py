@@ -17,6 +17,8 @@ so does ``llama_projection`` here, so rows line up with the converted checkpoint
 
 from __future__ import annotations
 
+import contextlib
+import struct
 from functools import cached_property
 from pathlib import Path
 
@@ -37,6 +39,16 @@ LLAMA_PROJECTIONS = {
 }
 
 
+@contextlib.contextmanager
+def reading_gguf(gguf: Path):
+    """Errors of a GGUF file that does not parse (truncated, empty, not a GGUF) name the file."""
+    try:
+        yield
+    except (ValueError, OSError, KeyError, IndexError, struct.error) as error:
+        raise ValueError(f"cannot read GGUF file {str(gguf)!r} (truncated, empty or not a GGUF file?): "
+                         f"{error}") from error
+
+
 class GGUFGroups:
     """The quantized tensors of one GGUF file (memory-mapped by the ``gguf`` package)."""
 
@@ -44,7 +56,8 @@ class GGUFGroups:
         from gguf import GGUFReader
 
         self.path = path
-        self._reader = GGUFReader(str(path))
+        with reading_gguf(path):
+            self._reader = GGUFReader(str(path))
         self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
 
     @cached_property

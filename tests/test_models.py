@@ -202,6 +202,19 @@ def test_gguf_files_that_do_not_parse_are_named_and_same_sized_ones_are_cached_a
     assert loader.gguf_key(tmp_path / "v1" / "model.gguf") != loader.gguf_key(tmp_path / "v2" / "model.gguf")
 
 
+def test_sharded_checkpoints_load_and_a_single_file_wins_over_a_stale_index(tmp_path):
+    path = make_tiny_model(tmp_path, "llama")
+    single = load_model(str(path), dtype=torch.float32, device="cpu").module.state_dict()
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(path).save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    loaded = load_model(str(sharded), dtype=torch.float32, device="cpu", source=loader.ModelSource(tokenizer=str(path)))
+    assert all(torch.equal(single[name], tensor) for name, tensor in loaded.module.state_dict().items())
+    (path / "model.safetensors.index.json").write_text((sharded / "model.safetensors.index.json").read_text())
+    restored = load_model(str(path), dtype=torch.float32, device="cpu").module.state_dict()  # as HF: the file
+    assert all(torch.equal(single[name], tensor) for name, tensor in restored.items())
+
+
 def test_model_from_local_hub_cache(tmp_path, monkeypatch):
     import huggingface_hub.constants
     revision = "0123456789abcdef0123456789abcdef01234567"

@@ -375,14 +375,14 @@ def _checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight, one at a time: from *.safetensors, else from PyTorch
     pytorch_model*.bin files (read with weights_only=True, memory-mapped: no code from the file
     runs). A file that cannot be read is a ValueError naming it."""
-    for file in _weight_files(folder, "model.safetensors.index.json", "*.safetensors"):
+    for file in _weight_files(folder, "model.safetensors", "*.safetensors"):
         try:
             with safe_open(file, framework="pt") as tensors:
                 for name in tensors.keys():
                     yield name, tensors.get_tensor(name)
         except (OSError, ValueError, RuntimeError, SafetensorError) as error:
             raise ValueError(f"cannot read the weights file {file}: {error}") from error
-    for file in _weight_files(folder, "pytorch_model.bin.index.json", "pytorch_model*.bin"):
+    for file in _weight_files(folder, "pytorch_model.bin", "pytorch_model*.bin"):
         try:
             tensors = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as error:
@@ -390,13 +390,16 @@ def _checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield from tensors.items()
 
 
-def _weight_files(folder: Path, index_name: str, pattern: str) -> list[Path]:
-    """One format's shards: those its index names, else every file matching ``pattern``
-    (``pytorch_model*.bin``, as HF reads them: a Trainer's training_args.bin or optimizer files
-    beside them are not weights); no .bin file when safetensors exist."""
+def _weight_files(folder: Path, single_name: str, pattern: str) -> list[Path]:
+    """One format's files, in HF's order of preference: the single file ``single_name``, else
+    the shards its index (``single_name``.index.json) names, else every file matching
+    ``pattern`` (``pytorch_model*.bin``, as HF reads them: a Trainer's training_args.bin or
+    optimizer files beside them are not weights); no .bin file when safetensors exist."""
     if pattern.endswith(".bin") and any(folder.glob("*.safetensors")):
         return []
-    index = folder / index_name
+    if (folder / single_name).is_file():  # beside a stale index of an earlier save, as HF does
+        return [folder / single_name]
+    index = folder / f"{single_name}.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return sorted({folder / shard for shard in weight_map.values()})

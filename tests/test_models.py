@@ -213,6 +213,11 @@ def test_sharded_checkpoints_load_and_a_single_file_wins_over_a_stale_index(tmp_
     (path / "model.safetensors.index.json").write_text((sharded / "model.safetensors.index.json").read_text())
     restored = load_model(str(path), dtype=torch.float32, device="cpu").module.state_dict()  # as HF: the file
     assert all(torch.equal(single[name], tensor) for name, tensor in restored.items())
+    (path / "model.safetensors.index.json").unlink()
+    (path / "model.safetensors").rename(path / "a.safetensors")
+    (path / "b.safetensors").write_bytes((path / "a.safetensors").read_bytes())  # no index: every file read
+    with pytest.raises(ValueError, match="provides more than once model.embed_tokens.weight"):
+        load_model(str(path), dtype=torch.float32, device="cpu")
 
 
 def test_model_from_local_hub_cache(tmp_path, monkeypatch):

@@ -365,10 +365,10 @@ def load_weights(module: LlamaForCausalLM, folder: Path, group: TensorParallelGr
             owner, _, leaf = param_name.rpartition(".")
             load_weight(module.get_submodule(owner), leaf, view, tensor, group, name)
             written[param_name] += view.numel()
-    missing = [name for name, p in params.items() if written[name] != p.numel()]
-    if missing:
-        raise ValueError(f"checkpoint {folder} does not provide {', '.join(missing[:5])}"
-                         f"{' ...' if len(missing) > 5 else ''}")
+    for problem, names in (("does not provide", [n for n, p in params.items() if written[n] < p.numel()]),
+                           ("provides more than once", [n for n, p in params.items() if written[n] > p.numel()])):
+        if names:
+            raise ValueError(f"checkpoint {folder} {problem} {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
 
 
 def _checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -232,6 +232,8 @@ class EngineArgs:
              f"tensor_parallel_size={self.tensor_parallel_size} use 'first'"),
             (self.metrics_prefix in ("pagedrag", "vllm"),
              f"metrics_prefix must be pagedrag or vllm, got {self.metrics_prefix!r}"),
+            (self.seed is None or -2 ** 63 <= self.seed < 2 ** 64,
+             f"seed must be a 64-bit integer (or None: a random one), got {self.seed}"),
             (self.cpu_threads is None or self.cpu_threads >= 1,
              f"cpu_threads must be at least 1, got {self.cpu_threads}"),
             (self.tool_call_parser in (None, "hermes", "llama3_json", "smollm2"),

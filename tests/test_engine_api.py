@@ -157,6 +157,12 @@ def test_pool_too_small_for_one_sequence(path):
         LLM(path, max_model_len=256, block_size=16, num_gpu_blocks_override=8)
 
 
+def test_a_kv_budget_past_the_memory_available_is_refused_by_name(path):
+    """It allocated until the machine ran out (or torch's size calculation overflowed)."""
+    with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=\d+ is more than the .* GiB of cpu memory"):
+        LLM(path, max_model_len=256, kv_cache_memory_bytes=10 ** 20)
+
+
 def test_unknown_model_and_unknown_argument(path):
     with pytest.raises((ValueError, OSError), match="no-such-model"):
         LLM("no-such-org/no-such-model")

@@ -141,6 +141,14 @@ def test_demo_and_bench_length_is_capped_at_the_models_limit(tmp_path):
     assert loader.capped_max_model_len(path, 256) == 256
 
 
+def test_a_command_that_meets_bad_input_says_so_in_a_line(tmp_path, capfd):
+    from pagedrag.entrypoints.cli import main
+
+    assert main(["demo", "--model", str(tmp_path / "missing")]) == 1
+    err = capfd.readouterr().err
+    assert f"pagedrag demo: no model folder at '{tmp_path / 'missing'}'" in err and "Traceback" not in err
+
+
 def test_dummy_weights_from_config_object():
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedrag import LLM, SamplingParams
 from pagedrag.core.block_hash import extend_block_hashes
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
+from pagedrag.router.app_settings import serve_argv
 from pagedrag.router import data_parallel
 from pagedrag.router.data_parallel import ROUTER_DESTS, LocalReplica, Replicas, _send, replica_argv
 from pagedrag.router.metrics_sum import CumulativeMemory, merge_metrics, merge_stats
@@ -312,6 +313,29 @@ def test_replica_command_line_keeps_every_flag_but_the_routers():
         if name not in ROUTER_DESTS:
             assert getattr(again, name) == value, name
     assert again.data_parallel_size == 1 and again.port == 8000
+
+
+def test_ray_application_settings_become_the_flags_they_name():
+    """Typed values of a Ray Serve config file and `serve run key=value` strings alike."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = serve_argv({"model": "some/model", "served_model_name": ["alpha", "beta"], "api_key": ["k1", "k2"],
+                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
+                       "salt_by_api_key": False, "trust_request_chat_template": "true",
+                       "enable_prefix_caching": "false", "max_model_len": None, "kv_disk_path": None,
+                       "block_size": "32", "seed": None}, parser)
+    args = parser.parse_args(argv)
+    assert args.model == "some/model" and args.served_model_names == ["alpha", "beta"]
+    assert args.api_keys == ["k1", "k2"] and args.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
+    assert (args.salt_by_api_key, args.trust_request_chat_template, args.enable_prefix_caching) == (False, True, False)
+    assert (args.max_model_len, args.kv_disk_path, args.block_size, args.seed) == (None, None, 32, 0)  # null: default
+    for settings, refused in (({"port": 9999}, "'port' does nothing on Ray Serve"),
+                              ({"data_parallel_size": 2}, "use num_replicas"),
+                              ({"max_modle_len": 5}, "unknown setting 'max_modle_len'"),
+                              ({"block_size": [16, 32]}, "'block_size' takes one value"),
+                              ({"salt_by_api_key": "yes"}, "'salt_by_api_key' is on or off")):
+        with pytest.raises(ValueError, match=refused):
+            serve_argv(settings, parser)
 
 
 def _fan_out(answers: dict[str, httpx.Response | Exception]) -> tuple[int, dict]:

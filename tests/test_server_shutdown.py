@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -324,3 +325,37 @@ def test_server_flags_reach_server_config():
 def test_server_flags_refuse_bad_values(argv, capsys):
     with pytest.raises(SystemExit):
         _parse(*argv)
+
+
+@pytest.mark.parametrize("argv", [["--api-key", ""], ["--api-key", "k", "--api-key", "  "]])
+def test_an_empty_api_key_is_refused(argv, capsys):
+    """An empty key (--api-key "$UNSET") matched requests that sent no key at all."""
+    with pytest.raises(SystemExit):
+        _parse(*argv)
+    assert "argument --api-key: is empty" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="an API key is empty"):
+        ServerConfig(served_model_names=["m"], api_keys=["k", ""])
+
+
+def test_optional_engine_flags_take_none_and_the_model_its_flag():
+    args = _parse("--model", "some/model", "--seed", "None", "--max-model-len", "none", "--hf-token", "True")
+    engine_args = cli.engine_args_from(args)
+    assert (engine_args.model, engine_args.seed, engine_args.max_model_len, engine_args.hf_token) == \
+        ("some/model", None, None, True)
+    assert cli.engine_args_from(_parse("--hf-token", "hf_abc")).hf_token == "hf_abc"
+    with pytest.raises(ValueError, match="two models given"):
+        cli.engine_args_from(_parse("a/model", "--model", "b/model"))
+    with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
+        cli.engine_args_from(_parse("--seed", str(2 ** 70)))
+
+
+def test_an_address_the_server_cannot_listen_on_is_named_before_the_engine_loads():
+    with pytest.raises(OSError, match="cannot listen on --host bogus.invalid --port 8000"):
+        cli.check_can_listen("bogus.invalid", 8000)
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(OSError, match=f"cannot listen on --host 127.0.0.1 --port {port}"):
+            cli.check_can_listen("127.0.0.1", port)
+    cli.check_can_listen("127.0.0.1", port)

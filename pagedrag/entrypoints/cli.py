@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 DESCRIPTION = ("pagedrag: a paged-attention LLM engine with prefix caching for RAG pipelines. "
                "Serve an OpenAI-compatible API, try the cache on a small RAG loop, benchmark it, "
                "or find out why two prompts do not share cached blocks.")
+logger = logging.getLogger("pagedrag")
 SUBCOMMANDS = {
     "serve": ("pagedrag.server.cli", "an OpenAI-compatible server with Prometheus /metrics"),
     "demo": ("pagedrag.entrypoints.demo", "a small RAG example with prefix-cache readouts"),
@@ -35,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = argparse.ArgumentParser(prog=f"pagedrag {known.command}",
                                   description=SUBCOMMANDS[known.command][1])
     module.add_arguments(sub)
-    return module.run(sub.parse_args(argv[1:]))
+    args = sub.parse_args(argv[1:])
+    try:
+        return module.run(args)
+    except (ValueError, OSError) as error:  # bad input met past parsing: a line, not a traceback
+        logger.error("pagedrag %s: %s", known.command, error, exc_info=logger.isEnabledFor(logging.DEBUG))
+        return 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ prefix-cache affinity through Ray Serve's request-router API.
     serve run deploy/ray_serve.yaml                    # the same as a config file
 
 Arguments are `pagedrag serve`'s flags without dashes (``model``, ``max_model_len``,
-``enable_chunk_reuse``, ``api_key``...), plus ``num_replicas``, ``num_gpus`` and ``num_cpus``
+``enable_chunk_reuse``, ``api_key``...; router.app_settings says how each kind of value is
+read, and refuses the HTTP server's own), plus ``num_replicas``, ``num_gpus`` and ``num_cpus``
 (each replica's devices: one GPU, or a share of a node's CPUs) and ``router_policy``,
 ``router_cache_threshold``, ``router_balance_abs_threshold`` (router.affinity).
 
@@ -41,11 +42,12 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
+from pagedrag.router.app_settings import serve_argv
 from pagedrag.router.metrics_sum import CumulativeMemory, merge_metrics
 from pagedrag.router.prompt_blocks import PromptBlocks
 from pagedrag.router.proxy_headers import forwarded_headers
 from pagedrag.router.warm_fanout import WARM_PATH, WarmAnswer, combined
-from pagedrag.server.errors import APIError
+from pagedrag.server.errors import APIError, install_error_handlers
 
 METRICS_PERIOD_S = 5.0
 _BOARD = "pagedrag-metrics"
@@ -228,6 +230,7 @@ async def warm_by_broadcast(engine: DeploymentHandle, headers: dict[str, str], b
 
 # serve.ingress serializes the app where it decorates the class: what its routes call is defined above.
 ingress_app = FastAPI(title="pagedrag on Ray Serve")
+install_error_handlers(ingress_app)  # its own errors (405, 404) in the OpenAI shape, as a replica's
 
 
 @serve.deployment
@@ -274,39 +277,25 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise ValueError(f"pagedrag.router.ray_app: {message}")
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
+def _parser() -> _ArgumentParser:
     from pagedrag.server.cli import add_arguments
 
     parser = _ArgumentParser(prog="pagedrag.router.ray_app")
     add_arguments(parser)
-    return parser.parse_args(argv)
+    return parser
 
 
-def _argv(settings: dict) -> list[str]:
-    """`pagedrag serve` flags from application arguments (strings from `serve run key=value`,
-    typed values from a config file)."""
-    argv = []
-    for key, value in settings.items():
-        if key == "model":
-            argv.insert(0, str(value))
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool) or str(value).lower() in ("true", "false"):
-            truthy = value if isinstance(value, bool) else str(value).lower() == "true"
-            argv.append(flag if truthy else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, list):
-            argv += [item for entry in value for item in (flag, str(entry))]
-        else:
-            argv += [flag, str(value)]
-    return argv
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return _parser().parse_args(argv)
 
 
 def build_app(settings: dict):
     """The application: ``settings`` as the module docstring says; bad ones fail here, by name."""
     settings = dict(settings)
     deployment = {key: settings.pop(key) for key in _DEPLOYMENT_KEYS if key in settings}
-    argv = _argv(settings)
-    args = _parse(argv)  # `pagedrag serve`'s own checks: unknown flags and bad values exit here
+    parser = _parser()
+    argv = serve_argv(settings, parser)  # unknown settings and those that do nothing on Ray: here
+    args = parser.parse_args(argv)  # `pagedrag serve`'s own checks of each value
     from pagedrag.server.cli import template_text, engine_args_from
 
     engine_args_from(args)  # the engine's checks, before any replica starts

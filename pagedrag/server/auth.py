@@ -47,8 +47,8 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
     def _allowed(self, scope: Scope) -> bool:
-        token = (bearer_token(Headers(scope=scope)) or "").encode()
-        return any(hmac.compare_digest(token, key) for key in self._keys)
+        token = bearer_token(Headers(scope=scope))
+        return token is not None and any(hmac.compare_digest(token.encode(), key) for key in self._keys)
 
 
 def tenant_cache_salt(api_key: str | None, request_salt: str | None) -> str:

@@ -11,8 +11,10 @@ import dataclasses
 import gc
 import json
 import logging
+import socket
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 
 from pagedrag.config import EngineArgs
@@ -30,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="a model folder, a .gguf file, or a Hugging Face hub name (downloaded unless "
                              "HF_HUB_OFFLINE is set); default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                        help="the model, as the positional argument (vLLM's other spelling)")
     engine = parser.add_argument_group("engine (pagedrag.EngineArgs)")
     hints = typing.get_type_hints(EngineArgs)
     for field in dataclasses.fields(EngineArgs):
@@ -38,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
     server.add_argument("--port", type=_port, default=8000, help="(default: %(default)s)")
-    server.add_argument("--api-key", action="append", default=[], dest="api_keys", metavar="KEY",
+    server.add_argument("--api-key", action="append", type=_api_key, default=[], dest="api_keys", metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1/* and /generate; repeat for several keys")
     server.add_argument("--salt-by-api-key", action="store_true",
                         help="give each API key its own prefix-cache salt (tenants never share blocks)")
@@ -92,6 +96,14 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _api_key(text: str) -> str:
+    """A key that is not empty: an empty one (an unset variable in --api-key "$KEY") would be
+    matched by requests that send no key."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset variable?): give a key, or leave --api-key out")
+    return text
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -126,7 +138,24 @@ def _add_engine_flag(group: argparse._ArgumentGroup, field: dataclasses.Field, h
     elif kind is dict:
         group.add_argument(flag, type=_json_value, default=field.default, metavar="JSON", help=help_text)
     else:
-        group.add_argument(flag, type=kind, default=field.default, help=help_text)
+        group.add_argument(flag, type=_flag_value(hint, kind), default=field.default, help=help_text)
+
+
+def _flag_value(hint, kind: type) -> Callable[[str], object]:
+    """How a flag's text becomes the field's value: by ``kind``, and where the field's type
+    allows them, "None" as None (``--seed None``: a random one) and "True" / "False" as those
+    (``--hf-token True``: the saved login)."""
+    allowed = set(typing.get_args(hint)) if isinstance(hint, types.UnionType) else {hint}
+    words = {**({"none": None} if type(None) in allowed else {}),
+             **({"true": True, "false": False} if bool in allowed and kind is not bool else {})}
+
+    def parse(text: str):
+        if text.lower() in words:
+            return words[text.lower()]
+        return kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
+    return parse
 
 
 def _json_value(text: str):
@@ -147,6 +176,10 @@ def _base_type(hint) -> type:
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     """The engine's arguments: its flags, and the served names (they label its metrics)."""
+    if getattr(args, "model_option", None) is not None:  # --model X: the positional's other spelling
+        if args.model not in (None, args.model_option):
+            raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}")
+        args.model, args.model_option = args.model_option, None
     names = EngineArgs.field_names() - {"served_model_name"}
     return EngineArgs(**{name: getattr(args, name) for name in names}, served_model_name=args.served_model_names)
 
@@ -178,6 +211,19 @@ def server_config_from(args: argparse.Namespace, model_name: str):
                         trust_request_chat_template=args.trust_request_chat_template)
 
 
+def check_can_listen(host: str, port: int) -> None:
+    """OSError naming ``host``:``port`` unless a TCP socket can bind there now (an unknown
+    host name, a port in use or not permitted)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as error:
+        raise OSError(f"cannot listen on --host {host} --port {port}: {error}") from error
+
+
 def freeze_startup_objects() -> None:
     """Collect garbage, then exempt every object alive now (the engine, the model's modules, the
     libraries imported: ~400k objects with the embedded model) from the garbage collector's full
@@ -203,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine_args = engine_args_from(args)
         template_text(args.chat_template)
+        check_can_listen(args.host, args.port)  # before the engine loads, which takes a while
     except (ValueError, OSError) as error:
         logger.error("%s", error)
         return 2

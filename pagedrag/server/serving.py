@@ -37,6 +37,11 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # accept a chat template sent with a request
     chat_template: str | None = None  # the operator's template (--chat-template), else the model's
 
+    def __post_init__(self) -> None:
+        if any(not isinstance(key, str) or not key.strip() for key in self.api_keys):
+            raise ValueError("an API key is empty (an unset variable in --api-key \"$KEY\"?): requests "
+                             "without a key would match it; give a key or leave --api-key out")
+
 
 @dataclass(frozen=True)
 class Envelope:

@@ -81,12 +81,17 @@ def _pool_blocks(args: EngineArgs, shape: CacheShape, device: torch.device, num_
     its KV heads). On CPU the ranks share one memory, so each takes its share of the budget."""
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
+    available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_cpu_memory() / num_ranks
     if args.kv_cache_memory_bytes is not None:
-        return shape.blocks_in(args.kv_cache_memory_bytes / num_ranks)
+        share = args.kv_cache_memory_bytes / num_ranks
+        if share > available:
+            raise ValueError(f"kv_cache_memory_bytes={args.kv_cache_memory_bytes} is more than the "
+                             f"{available / GIB_BYTES:.1f} GiB of {device.type} memory available"
+                             f"{' per rank' if num_ranks > 1 else ''} after the weights")
+        return shape.blocks_in(share)
     if device.type == "cuda":
-        free_after_weights, _ = torch.cuda.mem_get_info(device)
-        return shape.blocks_in(free_after_weights * args.gpu_memory_utilization)
-    return shape.blocks_in(available_cpu_memory() * DEFAULT_CPU_KV_FRACTION / num_ranks)
+        return shape.blocks_in(available * args.gpu_memory_utilization)
+    return shape.blocks_in(available * DEFAULT_CPU_KV_FRACTION)
 
 
 def _check_fits(args: EngineArgs, num_blocks: int, max_model_len: int) -> None:

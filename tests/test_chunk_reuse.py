@@ -90,6 +90,16 @@ def test_reuse_counts_add_up_and_the_prefix_cache_stays_exact():
     assert llm.llm_engine.cached_prefix_len(outputs[1].prompt_token_ids) <= head
 
 
+def test_a_prompt_that_ends_with_its_chunk_stores_it_for_reuse():
+    """A warm-up's prompt is the system prompt and the chunk: the chunk is exported though it
+    holds the prompt's last token (that segment is never imported: it must make logits)."""
+    llm = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_fraction=0.0, chunk_recompute_window=0)
+    first, second = (c.text + "\n" for c in stdlib_chunks(max_chars=400, limit=2))
+    llm.warm([{"prompt_segments": [SYSTEM, first]}], use_tqdm=False)
+    asked = _run(llm, [[SYSTEM, second, first, "Question: which module?\nAnswer:"]])[0]
+    assert asked.num_chunk_hit_tokens == len(llm.get_tokenizer().encode(first, add_special_tokens=False))
+
+
 def test_a_chunk_after_the_segment_it_was_computed_after_is_imported_whole():
     llm = LLM(**ENGINE, enable_chunk_reuse=True, chunk_recompute_fraction=0.5, chunk_recompute_window=0)
     first, second, third = (c.text + "\n" for c in stdlib_chunks(max_chars=400, limit=3))

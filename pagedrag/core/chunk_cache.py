@@ -167,10 +167,17 @@ class ChunkCache:
             return 0
         return self.recompute_count(segment.end - segment.start)
 
-    def reusable(self, request: Request, index: int) -> bool:
+    def exportable(self, request: Request, index: int) -> bool:
+        """Whether segment ``index`` is a chunk whose KV is saved once computed: marked reusable,
+        after the head, at least ``min_chunk_tokens`` long. The prompt's last segment counts: a
+        warm-up's prompt (system prompt, chunk) ends with its chunk."""
         segment = request.segments[index]
-        return (index > 0 and segment.reusable and segment.end < request.num_prompt_tokens
-                and segment.end - segment.start >= self.min_chunk_tokens)
+        return index > 0 and segment.reusable and segment.end - segment.start >= self.min_chunk_tokens
+
+    def reusable(self, request: Request, index: int) -> bool:
+        """Whether segment ``index`` may be imported: exportable, and not holding the prompt's
+        last token (that one must produce logits)."""
+        return self.exportable(request, index) and request.segments[index].end < request.num_prompt_tokens
 
     def blocks_of(self, request: Request, index: int):
         """(block hash, token ids) of each block of segment ``index``'s chunk, the last maybe partial."""
@@ -196,7 +203,7 @@ class ChunkCache:
         return {self._hashes(request, index)[0]
                 for request in requests for index, segment in enumerate(request.segments)
                 if segment.end > request.num_computed_tokens and index not in request.imported_segments
-                and self.reusable(request, index)}
+                and self.exportable(request, index)}
 
     def waits_for(self, request: Request, num_prefix_tokens: int, pending: set[BlockHash]) -> bool:
         """Whether a chunk of the request past its first ``num_prefix_tokens`` tokens is not
@@ -316,7 +323,7 @@ class ChunkCache:
         not imported, not cached yet) into fresh blocks; none when the pool is short."""
         moves = []
         for index, segment in enumerate(request.segments):
-            if not (begin < segment.end <= end and self.reusable(request, index)) \
+            if not (begin < segment.end <= end and self.exportable(request, index)) \
                     or index in request.imported_segments or self.lookup(request, index) is not None:
                 continue
             length = segment.end - segment.start

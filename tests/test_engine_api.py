@@ -144,7 +144,7 @@ def test_reset_prefix_cache_answers_as_vllms_does(llm):
 
 
 def test_what_is_not_a_prompt_is_refused_by_name(llm):
-    for prompts in (None, 5):
+    for prompts in (None, 5, b"abc"):
         with pytest.raises(TypeError, match="prompts must be a prompt or a sequence of prompts"):
             llm.warm(prompts, use_tqdm=False)
     with pytest.raises(TypeError, match="chat conversation"):

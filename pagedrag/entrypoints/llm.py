@@ -149,7 +149,7 @@ def _warn_if_failed(output: RequestOutput) -> None:
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    if not isinstance(prompts, Iterable):
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
         raise TypeError(f"prompts must be a prompt or a sequence of prompts, got {type(prompts).__name__}")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):

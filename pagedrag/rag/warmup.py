@@ -21,6 +21,17 @@ from pagedrag.rag.chunk_reuse_support import ChunkReuseSettings
 DEFAULT_BATCH_SIZE = 64  # prompts per warm-up call: one engine batch, one progress step
 
 
+def check_warm_options(batch_size: object, show_progress: object) -> None:
+    """TypeError / ValueError naming a hook's ``batch_size`` (an int >= 1) or ``show_progress``
+    (a bool) when it is anything else, before any chunk is warmed."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise TypeError(f"batch_size must be an int, got {type(batch_size).__name__}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if not isinstance(show_progress, bool):
+        raise TypeError(f"show_progress must be True or False, got {show_progress!r}")
+
+
 async def awarm_chunks(llm: ChunkReuseSettings, prompts: Sequence[Prompt], chunks: Sequence[str],
                        batch_size: int = DEFAULT_BATCH_SIZE, show_progress: bool = True) -> WarmSummary:
     """Warm ``prompts[i]``, the prompt of chunk text ``chunks[i]``, through ``llm``'s client.

@@ -10,7 +10,7 @@ from langchain_core.prompts import BasePromptTemplate
 
 from pagedrag.client import Prompt
 from pagedrag.rag.canonical import normalize_text
-from pagedrag.rag.warmup import DEFAULT_BATCH_SIZE, awarm_chunks, warm_chunks
+from pagedrag.rag.warmup import DEFAULT_BATCH_SIZE, awarm_chunks, check_warm_options, warm_chunks
 
 from .chat_models import ChatPagedRAG
 from .documents import context_prompt, format_reusable_documents
@@ -39,8 +39,7 @@ class PagedRAGWarmup(BaseDocumentTransformer):
 
     def __init__(self, llm: ChatPagedRAG | PagedRAGLLM, prompt: BasePromptTemplate = PAGEDRAG_RAG_PROMPT,
                  batch_size: int = DEFAULT_BATCH_SIZE, show_progress: bool = True) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        check_warm_options(batch_size, show_progress)
         self.llm, self.prompt, self.batch_size, self.show_progress = llm, prompt, batch_size, show_progress
 
     def transform_documents(self, documents: Sequence[Document], **kwargs: Any) -> Sequence[Document]:

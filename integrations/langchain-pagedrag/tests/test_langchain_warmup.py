@@ -54,8 +54,13 @@ async def test_with_chunk_reuse_the_other_documents_come_from_the_chunk_cache(do
 
 def test_blank_documents_are_skipped_and_a_bad_batch_size_refused(chat):
     assert PagedRAGWarmup(chat, show_progress=False).transform_documents([Document(page_content=" \n")])
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ValueError, match="batch_size must be at least 1, got 0"):
         PagedRAGWarmup(chat, batch_size=0)
+    for bad, message in (({"batch_size": "2"}, "batch_size must be an int, got str"),
+                         ({"batch_size": 1.5}, "batch_size must be an int, got float"),
+                         ({"show_progress": "no"}, "show_progress must be True or False, got 'no'")):
+        with pytest.raises(TypeError, match=message):
+            PagedRAGWarmup(chat, **bad)
     with pytest.raises(TypeError, match=r"documents\[1\] must be a langchain Document, got str"):
         PagedRAGWarmup(chat, show_progress=False).transform_documents([Document(page_content="x"), "a text"])
     too_long = Document(page_content="word " * (2 * chat.client.info().max_model_len))

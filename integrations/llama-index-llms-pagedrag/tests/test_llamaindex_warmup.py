@@ -5,6 +5,9 @@ cache; against a server, through POST /v1/warm."""
 
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 from llama_index.core import Document, SummaryIndex
 from llama_index.core.ingestion import IngestionPipeline
@@ -54,6 +57,14 @@ def test_with_chunk_reuse_the_other_nodes_come_from_the_chunk_cache(documents, r
     llm = PagedRAG(engine_kwargs=CHUNK_REUSE_POOL_KWARGS, enable_chunk_reuse=True, max_tokens=MAX_TOKENS)
     figures = _query_figures(llm, _warm(llm, documents), recorder)
     assert figures["prefix_cache_hits"] > 0 and figures["chunk_cache_hits"] > 0
+
+
+def test_a_copy_in_another_process_refuses_rather_than_warm_an_engine_of_its_own(llm, documents):
+    """IngestionPipeline.run(num_workers=N) pickles its transformations into worker processes,
+    as this pool does (forked: the worker needs no imports of its own)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as workers:
+        with pytest.raises(RuntimeError, match="another process than its in-process engine"):
+            workers.submit(PagedRAGWarmup(llm=llm, show_progress=False), documents).result(timeout=120)
 
 
 @pytest.mark.asyncio

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,11 @@ class PagedRAGWarmup(TransformComponent):
 
     IngestionPipeline caches each step's output by its input nodes: a pipeline run again on
     the same nodes skips this step (pass ``disable_cache=True`` to the pipeline to warm again).
+
+    An in-process ``llm``'s engine lives in the process that made this component: run on a
+    copy in another process (``pipeline.run(num_workers=N)`` pickles it into workers) it
+    raises rather than load a second engine there and warm that one, which the worker drops.
+    With ``base_url`` (a ``pagedrag serve``) workers warm the server.
     """
 
     llm: PagedRAG = Field(exclude=True, description="The LLM whose engine is warmed.")
@@ -44,9 +50,22 @@ class PagedRAGWarmup(TransformComponent):
     batch_size: int = Field(default=DEFAULT_BATCH_SIZE, gt=0, description="Nodes warmed per engine call.")
     show_progress: bool = Field(default=True, description="A progress bar over the nodes.")
 
+    # A field, not a private attribute: LlamaIndex unpickles components through __init__,
+    # which would make a private one anew in the worker.
+    engine_process: int = Field(default_factory=os.getpid, exclude=True,
+                                description="The process whose in-process engine is warmed (where this was made).")
+
     @classmethod
     def class_name(cls) -> str:
         return "PagedRAGWarmup"
+
+    def _check_engine_process(self) -> None:
+        if self.llm.base_url is None and os.getpid() != self.engine_process:
+            raise RuntimeError("PagedRAGWarmup runs in another process than its in-process engine "
+                               "(IngestionPipeline.run(num_workers=...) copies it into workers): that "
+                               "process would load an engine of its own and drop what it warmed. Run "
+                               "the pipeline without num_workers, or give the LLM base_url= of a "
+                               "pagedrag serve")
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         warm_chunks(self.llm, *self._prompts(nodes), self.batch_size, self.show_progress)
@@ -58,5 +77,6 @@ class PagedRAGWarmup(TransformComponent):
 
     def _prompts(self, nodes: Sequence[BaseNode]) -> tuple[list[Prompt], list[str]]:
         """(prompt, text) of each node that has text: the QA prompt with it as the context."""
+        self._check_engine_process()
         texts = [text for text in map(packed_text, nodes) if text]
         return [self.llm.template_prompt(self.qa_template, context_str=text) for text in texts], texts

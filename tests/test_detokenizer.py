@@ -3,6 +3,7 @@ and on a tiny SentencePiece-style tokenizer (Metaspace "▁" + byte fallback) bu
 
 import importlib.util
 import json
+import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -185,3 +186,21 @@ def test_streamable_length_holds_back_partial_stop():
     assert checker.streamable_length("ax") == 1
     assert StopChecker(["world!"], include_stop_str_in_output=True).streamable_length("hello wor") == 9
     assert StopChecker([]).streamable_length("anything") == 8
+
+
+def test_streamable_length_is_the_longest_partial_stop_as_the_text_grows():
+    """Against the definition, on random texts growing a few characters at a time (the checker
+    reads only what each call adds) and on texts that do not extend the previous one."""
+    rng = random.Random(0)
+
+    def held(text: str, stop: str) -> int:  # the longest tail of text that is a proper prefix of stop
+        return max((n for n in range(1, min(len(stop), len(text) + 1)) if text.endswith(stop[:n])), default=0)
+
+    for trial in range(2000):
+        alphabet = "ab" if trial % 2 else "abc "
+        stops = ["".join(rng.choices(alphabet, k=rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        checker, text = StopChecker(stops), ""
+        for _ in range(rng.randint(1, 12)):
+            text = text + "".join(rng.choices(alphabet, k=rng.randint(0, 3))) if rng.random() < 0.9 \
+                else "".join(rng.choices(alphabet, k=rng.randint(0, 8)))
+            assert checker.streamable_length(text) == len(text) - max(held(text, stop) for stop in stops)

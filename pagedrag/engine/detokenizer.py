@@ -88,12 +88,15 @@ class StopChecker:
     Invariants: ``check`` is called after every append with the cumulative text and
     the number of characters just added, and generation ends at the first match, so
     any new match must end inside the new characters and only that tail is searched.
-    When several stop strings match, the one that starts first wins.
+    When several stop strings match, the one that starts first wins. The text only grows
+    (the detokenizer's emitted text), so ``streamable_length`` reads each character once.
     """
 
     def __init__(self, stop: list[str], include_stop_str_in_output: bool = False):
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
+        self._partials = [_PartialMatch(s) for s in self.stop if s] if not include_stop_str_in_output else []
+        self._read = ""  # the text the partial matches have read
 
     def check(self, text: str, num_new_chars: int) -> StopMatch | None:
         """The earliest stop string that the last ``num_new_chars`` completed, if any."""
@@ -113,17 +116,51 @@ class StopChecker:
 
         Holds back the longest tail of ``text`` that is a proper prefix of some stop
         string, so a stop string that may still complete is never streamed. Nothing is
-        held back when stop strings are included in the output.
+        held back when stop strings are included in the output. Costs O(new characters)
+        a stop string when ``text`` extends the text of the previous call (as the
+        detokenizer's does); any other text is read from its start.
         """
-        if self.include_stop_str_in_output:
-            return len(text)
-        held = max((_partial_match_length(text, stop) for stop in self.stop), default=0)
+        if not text.startswith(self._read):
+            for partial in self._partials:
+                partial.matched = 0
+            self._read = ""
+        new = text[len(self._read):]
+        self._read = text
+        held = 0
+        for partial in self._partials:
+            held = max(held, partial.read(new))
         return len(text) - held
 
 
-def _partial_match_length(text: str, stop: str) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of ``stop``."""
-    for length in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:length]):
-            return length
-    return 0
+class _PartialMatch:
+    """The longest tail of a growing text that is a proper prefix of one stop string,
+    kept up to date character by character (Knuth-Morris-Pratt: amortised O(1) a character)."""
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self.fallback = _prefix_function(stop)
+        self.matched = 0  # the longest tail of the text read so far that is a prefix of stop
+
+    def read(self, text: str) -> int:
+        """Read ``text`` (what the text gained); the proper-prefix match now."""
+        stop, fallback, matched = self.stop, self.fallback, self.matched
+        for character in text:
+            if matched == len(stop):
+                matched = fallback[matched - 1]
+            while matched and stop[matched] != character:
+                matched = fallback[matched - 1]
+            if stop[matched] == character:
+                matched += 1
+        self.matched = matched
+        return fallback[matched - 1] if matched == len(stop) else matched
+
+
+def _prefix_function(text: str) -> list[int]:
+    """For each i, the length of the longest proper prefix of text[:i + 1] that is also its suffix."""
+    result = [0] * len(text)
+    for index in range(1, len(text)):
+        length = result[index - 1]
+        while length and text[index] != text[length]:
+            length = result[length - 1]
+        result[index] = length + (text[index] == text[length])
+    return result

@@ -1,9 +1,12 @@
 """Sampler: greedy, filtering, seeded reproducibility, penalties, logprobs."""
 
+import gc
+
 import pytest
 import torch
 
 from pagedrag.sampling_params import SamplingParams
+from pagedrag.worker.token_tables import TokenTableCache
 from pagedrag.worker.sampler import Sampler, SamplingBatch
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -220,3 +223,16 @@ def test_caller_logits_untouched():
                              min_tokens=5, stop_token_ids=[1])] * 4
     sample(logits, params, prompts=[[1, 2]] * 4, outputs=[[3]] * 4)
     assert torch.equal(logits, before)
+
+
+def test_token_tables_are_made_once_per_params_object_and_dropped_with_it():
+    cache = TokenTableCache()
+    params = SamplingParams(logit_bias={5: 2.0, 7: -1.0}, allowed_token_ids=[5, 7, 9])
+    tables = cache.get(params)
+    assert cache.get(params) is tables
+    assert tables.bias_ids.tolist() == [5, 7] and tables.bias_values.tolist() == [2.0, -1.0]
+    assert tables.allowed_ids.tolist() == [5, 7, 9]
+    assert cache.get(SamplingParams(logit_bias={5: 2.0})) is not tables  # equal or not, another object
+    del params, tables
+    gc.collect()
+    assert not cache._by_id  # noqa: SLF001 - nothing kept for objects that are gone

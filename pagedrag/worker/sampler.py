@@ -41,7 +41,8 @@ import torch
 
 from pagedrag.sampling_params import SamplingParams
 from pagedrag.structured.masks import allowed_tokens
-from pagedrag.worker.transfer import host_to_device
+from pagedrag.worker.token_tables import TABLES
+from pagedrag.worker.transfer import host_to_device, tensor_to_device
 
 
 @dataclass
@@ -171,10 +172,11 @@ def _to_columns(rows: list[list[float]], device: torch.device | str) -> tuple[to
 
 
 def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[N, V] float32 occurrence counts of each row's token ids (one host->device copy)."""
-    rows = [row for row, ids in enumerate(token_ids) for _ in ids]
-    flat = [t for ids in token_ids for t in ids]
-    index = host_to_device([rows, flat], torch.long, device)
+    """[N, V] float32 occurrence counts of each row's token ids (one host->device copy; each
+    row's list becomes a tensor in one call, with no Python work per token)."""
+    flat = torch.cat([torch.tensor(ids, dtype=torch.int64) for ids in token_ids])
+    rows = torch.arange(len(token_ids)).repeat_interleave(torch.tensor([len(ids) for ids in token_ids]))
+    index = tensor_to_device(torch.stack((rows, flat)), device)
     counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)
     ones = torch.ones(len(flat), dtype=torch.float32, device=device)
     return counts.index_put_(tuple(index), ones, accumulate=True)
@@ -206,23 +208,32 @@ def _banned(
 
 
 def _logit_bias(params: list[SamplingParams], device: torch.device | str):
-    """(rows, token ids, values) of every row's logit_bias, or None."""
-    entries = [(row, token, bias) for row, p in enumerate(params) for token, bias in (p.logit_bias or {}).items()]
-    if not entries:
+    """(rows, token ids, values) of every row's logit_bias, or None (from each params object's
+    TokenTables: no per-entry Python work at a step)."""
+    tables = [(row, TABLES.get(p)) for row, p in enumerate(params) if p.logit_bias]
+    if not tables:
         return None
-    rows, tokens, values = zip(*entries)
-    index = host_to_device([list(rows), list(tokens)], torch.long, device)
-    return index[0], index[1], host_to_device(list(values), torch.float32, device)
+    rows = _rows_of([(row, t.bias_ids) for row, t in tables])
+    tokens = torch.cat([t.bias_ids for _, t in tables])
+    values = torch.cat([t.bias_values for _, t in tables])
+    return tensor_to_device(rows, device), tensor_to_device(tokens, device), tensor_to_device(values, device)
 
 
 def _allowed(params: list[SamplingParams], device: torch.device | str):
     """(rows that restrict their tokens, rows, allowed token ids), or None."""
-    restricted = [row for row, p in enumerate(params) if p.allowed_token_ids]
-    if not restricted:
+    tables = [(row, TABLES.get(p)) for row, p in enumerate(params) if p.allowed_token_ids]
+    if not tables:
         return None
-    pairs = [(row, token) for row in restricted for token in params[row].allowed_token_ids]
-    index = host_to_device(pairs, torch.long, device)
-    return host_to_device(restricted, torch.long, device), index[:, 0], index[:, 1]
+    restricted = host_to_device([row for row, _ in tables], torch.long, device)
+    rows = _rows_of([(row, t.allowed_ids) for row, t in tables])
+    return restricted, tensor_to_device(rows, device), tensor_to_device(torch.cat([t.allowed_ids for _, t in tables]),
+                                                                        device)
+
+
+def _rows_of(entries: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """The row of each element of the row tensors, concatenated: row r repeated len(tensor) times."""
+    rows = torch.tensor([row for row, _ in entries], dtype=torch.int64)
+    return rows.repeat_interleave(torch.tensor([len(tensor) for _, tensor in entries]))
 
 
 @dataclass

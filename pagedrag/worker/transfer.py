@@ -20,6 +20,13 @@ def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device | 
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def tensor_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``, copied as ``host_to_device`` copies (pinned, not waiting)."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def device_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """Start copying ``tensor`` to the host: (host tensor, event to synchronize before reading it).
 

@@ -8,6 +8,7 @@ after its prefill: the first keeps the prompt's blocks, the others fork them
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -88,6 +89,12 @@ class Request:
     num_tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     spec_decode: SpecDecodeCounts | None = None  # speculative decoding's drafts and acceptances (spec_decode)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    @functools.cached_property
+    def prompt_id_tensor(self) -> torch.Tensor:
+        """The prompt's token ids as an int64 host tensor, made once: the penalties read them at
+        every step (worker.sampler)."""
+        return torch.tensor(self.prompt_token_ids, dtype=torch.int64)
 
     def __post_init__(self) -> None:
         self.group_id = self.group_id or self.request_id

@@ -429,7 +429,7 @@ class ModelRunner:
         requests = [row.request for row in plan]
         batch = SamplingBatch.from_params(
             [r.params for r in requests], [r.generator for r in requests],
-            [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+            [r.prompt_id_tensor for r in requests], [r.output_token_ids for r in requests],
             self.device, self.eos_token_ids, [r.bad_words_token_ids for r in requests],
             fill_masks([r.grammar for r in requests], logits.shape[-1], self.device))
         rows = host_to_device([row.logits_row for row in plan], torch.int64, self.device)

@@ -90,7 +90,7 @@ def _draft_batch(rows: list[VerifyRow], vocab_size: int, device: torch.device, e
         for j in range(len(row.draft) + 1):
             params.append(request.params)
             generators.append(request.generator)
-            prompts.append(request.prompt_token_ids)
+            prompts.append(request.prompt_id_tensor)
             outputs.append(output + row.draft[:j])
             bad_words.append(request.bad_words_token_ids)
     grammar = fill_draft_masks([row.request.grammar for row in rows], [row.draft for row in rows], vocab_size,

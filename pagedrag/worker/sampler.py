@@ -75,7 +75,7 @@ class SamplingBatch:
         cls,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        prompt_token_ids: list[list[int]],
+        prompt_token_ids: list[list[int] | torch.Tensor],
         output_token_ids: list[list[int]],
         device: torch.device | str,
         eos_token_ids: frozenset[int] = frozenset(),
@@ -131,14 +131,14 @@ class Penalties:
     repetition: torch.Tensor  # [N, 1]; 1 = off
     frequency: torch.Tensor  # [N, 1]; 0 = off
     presence: torch.Tensor  # [N, 1]; 0 = off
-    prompt_token_ids: list[list[int]]
+    prompt_token_ids: list[list[int] | torch.Tensor]  # each a list or an int64 host tensor
     output_token_ids: list[list[int]]
 
     @classmethod
     def from_params(
         cls,
         params: list[SamplingParams],
-        prompt_token_ids: list[list[int]],
+        prompt_token_ids: list[list[int] | torch.Tensor],
         output_token_ids: list[list[int]],
         device: torch.device | str,
     ) -> Penalties | None:
@@ -171,10 +171,10 @@ def _to_columns(rows: list[list[float]], device: torch.device | str) -> tuple[to
     return host_to_device(rows, torch.float32, device).unbind(1)
 
 
-def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[N, V] float32 occurrence counts of each row's token ids (one host->device copy; each
-    row's list becomes a tensor in one call, with no Python work per token)."""
-    flat = torch.cat([torch.tensor(ids, dtype=torch.int64) for ids in token_ids])
+def _token_counts(token_ids: list, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[N, V] float32 occurrence counts of each row's token ids, a list or an int64 host tensor
+    (one host->device copy; no Python work per token)."""
+    flat = torch.cat([torch.as_tensor(ids, dtype=torch.int64) for ids in token_ids])
     rows = torch.arange(len(token_ids)).repeat_interleave(torch.tensor([len(ids) for ids in token_ids]))
     index = tensor_to_device(torch.stack((rows, flat)), device)
     counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)

@@ -12,6 +12,8 @@ at row ``p % block_size``; its flat slot is ``block * block_size + row``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -40,43 +42,64 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     truth, stays float64). Grouped-query attention without repeating K/V: the query heads that
     share a KV head (consecutive ones) go in as that head's query rows, which ran a quarter
     faster than SDPA's enable_gqa (SmolLM2's heads, 800-1,600 cached tokens, 2-core EPYC).
-    A context whose block ids run consecutively (the common case: a request's blocks
-    mostly come in a few such runs) is one view of the cache, read in place; otherwise
-    its runs are joined. On a 2-core EPYC (SmolLM2's heads, 150 cached tokens) this took
-    a third of the time of the matmul-softmax-matmul it replaced: at batch 1 a decode
-    step is mostly such per-op costs.
+    Each sequence's context is read as ``_contexts`` says (a view, or one gather).
     """
     out = torch.empty_like(query)
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    block_size = k_cache.shape[1]
     num_heads, head_dim = query.shape[1], query.shape[2]
-    for b, length in enumerate(context_lens.tolist()):
-        table = block_tables[b, :-(-length // block_size)].tolist()
-        runs = _block_runs(table, block_size, length)
-        keys, values = (_context_rows(cache, runs).transpose(0, 1)[None].to(dtype) for cache in (k_cache, v_cache))
+    for b, context in enumerate(_contexts(block_tables, context_lens, k_cache.shape[1])):
+        keys, values = (context.rows(cache).transpose(0, 1)[None].to(dtype) for cache in (k_cache, v_cache))
         grouped = query[b].view(1, keys.shape[1], -1, head_dim).to(dtype)  # [1, kv_heads, heads per kv head, dim]
         attended = F.scaled_dot_product_attention(grouped, keys, values, scale=scale)
         out[b] = attended.view(num_heads, head_dim)
     return out
 
 
-def _block_runs(table: list[int], block_size: int, length: int) -> list[tuple[int, int, int]]:
-    """(first block id, number of blocks, rows used) of each run of consecutive ids in
-    ``table``, covering positions 0 .. length - 1 in order."""
-    runs, start = [], 0
-    for index in range(1, len(table) + 1):
-        if index == len(table) or table[index] != table[index - 1] + 1:
-            rows = min(index * block_size, length) - start * block_size
-            runs.append((table[start], index - start, rows))
-            start = index
-    return runs
+@dataclass(frozen=True)
+class _Context:
+    """Where one sequence's cached rows are: ``first`` block of a run of consecutive block
+    ids (the common case: the rows are one view of the cache), or else the flat ``slots`` to
+    gather (one index_select, whatever the number of pieces)."""
+
+    length: int
+    first: int | None
+    slots: torch.Tensor | None
+
+    def rows(self, cache: torch.Tensor) -> torch.Tensor:
+        """The sequence's rows of ``cache`` [num_blocks, block_size, kv_heads, head_dim]:
+        [length, kv_heads, head_dim]."""
+        block_size = cache.shape[1]
+        if self.first is not None:
+            return cache[self.first:self.first - (-self.length // block_size)].flatten(0, 1)[:self.length]
+        return cache.flatten(0, 1).index_select(0, self.slots)
 
 
-def _context_rows(cache: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
-    """A sequence's cached rows [length, kv_heads, head_dim]: a view for one run of blocks,
-    the runs joined (a copy) for several."""
-    pieces = [cache[first:first + count].flatten(0, 1)[:rows] for first, count, rows in runs]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+_last_contexts: tuple = ()  # (block_tables, context_lens, block_size: copies of the last ones, contexts)
+
+
+def _contexts(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[_Context]:
+    """Each sequence's _Context. Every layer of a step passes the same tables, so the last
+    answer is kept, with copies of the tables it was made from, and reused while the tables
+    are equal to them: one plan a step, not one a layer (a comparison of two small tensors)."""
+    global _last_contexts
+    last = _last_contexts
+    if last and last[2] == block_size and _same(last[0], block_tables) and _same(last[1], context_lens):
+        return last[3]
+    contexts = [_context(block_tables[b], length, block_size) for b, length in enumerate(context_lens.tolist())]
+    _last_contexts = (block_tables.clone(), context_lens.clone(), block_size, contexts)
+    return contexts
+
+
+def _same(kept: torch.Tensor, given: torch.Tensor) -> bool:
+    return kept.shape == given.shape and kept.device == given.device and torch.equal(kept, given)
+
+
+def _context(table: torch.Tensor, length: int, block_size: int) -> _Context:
+    blocks = table[:-(-length // block_size)].long()
+    if len(blocks) <= 1 or bool((blocks[1:] - blocks[:-1] == 1).all()):
+        return _Context(length, int(blocks[0]) if len(blocks) else 0, None)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()[:length]
+    return _Context(length, None, slots)
 
 
 def prefix_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -88,23 +111,20 @@ def prefix_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     query_start_loc[b]:query_start_loc[b+1]; their K/V are already stored in the
     cache. context_lens[b] is the sequence length after these tokens, so its new
     tokens sit at positions context_lens[b] - q_len .. context_lens[b] - 1.
-    Returns [T, heads, head_dim]. The context is read in place where its block ids run
-    consecutively (as in paged_decode_attention): for the few new tokens of a speculative
+    Returns [T, heads, head_dim]. The context is read as in paged_decode_attention (a view
+    where its block ids run consecutively: for the few new tokens of a speculative
     verification step over ~800 cached tokens (SmolLM2's heads, 2-core EPYC) this took a third
-    of the time of gathering the context first.
+    of the time of gathering the context first).
     """
     out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
-    block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
-    for b, total in enumerate(context_lens.tolist()):
+    for b, context in enumerate(_contexts(block_tables, context_lens, k_cache.shape[1])):
         q = query[starts[b]:starts[b + 1]]
-        q_len = q.shape[0]
+        q_len, total = q.shape[0], context.length
         if q_len == 0:
             continue
-        runs = _block_runs(block_tables[b, :-(-total // block_size)].tolist(), block_size, total)
-        keys, values = (_context_rows(cache, runs).transpose(0, 1)[None].to(query.dtype)
-                        for cache in (k_cache, v_cache))
+        keys, values = (context.rows(cache).transpose(0, 1)[None].to(query.dtype) for cache in (k_cache, v_cache))
         # new token i (at position total - q_len + i) sees positions 0 .. total - q_len + i
         mask = torch.ones(q_len, total, dtype=torch.bool, device=query.device).tril_(total - q_len)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask[None, None],

@@ -78,3 +78,14 @@ def test_reference_attention_equals_dense_attention(query_lens, context_lens, he
         decoded = reference.paged_decode_attention(p.query, p.k_cache, p.v_cache, p.block_tables,
                                                    p.context_lens, p.scale)
         assert testing.relative_error(decoded, expected) < tolerance, f"seed={seed}"
+
+
+def test_a_block_table_changed_in_place_is_read_anew():
+    """Each step's plan of where the contexts are is kept for the step's later layers (the same
+    tensors): a table rewritten in place (its blocks moved, the old ones NaN) must not reuse it."""
+    p = testing.make_problem([1, 1], [300, 77], 8, 2, 64, 16, torch.float64, "cpu", 0, spare_blocks=64)
+    _contiguous_tables(p, 3)
+    args = (p.query, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+    assert testing.relative_error(reference.paged_decode_attention(*args), _dense(p)) < 1e-12
+    _contiguous_tables(p, 1)
+    assert testing.relative_error(reference.paged_decode_attention(*args), _dense(p)) < 1e-12

@@ -1,5 +1,6 @@
 """The offline API's accounting and its answers to bad input."""
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -220,3 +221,18 @@ def test_dummy_weights_from_a_config_only_folder(tmp_path):
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text == ""
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("text needs a tokenizer", use_tqdm=False)
+
+
+def test_calls_from_several_threads_each_get_their_own_outputs(llm):
+    """A sync web app or a thread pool sharing one LLM: calls run one after another (they mixed
+    up each other's requests, or waited forever for one another had taken)."""
+    prompts = [{"prompt_token_ids": ids(3 + 11 * i, 5 + i)} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def answer(prompt: dict) -> list[int]:
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    alone = [answer(prompt) for prompt in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(answer, prompts * 3)) == alone * 3
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 
 from tqdm.auto import tqdm
@@ -23,6 +24,10 @@ class LLM:
     ``LLM()`` runs the embedded SmolLM2-135M-Instruct offline; every EngineArgs
     field is a keyword argument (gpu_memory_utilization is the fraction of device
     memory left after the weights that the KV pool may take).
+
+    Calls from several threads (a sync web app, a thread pool) run one after another, each
+    to completion: the engine steps in one thread at a time. Requests of several threads
+    batch together through ``AsyncLLMEngine`` or the LlamaIndex / LangChain integrations.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs):
@@ -31,12 +36,14 @@ class LLM:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; see pagedrag.EngineArgs")
         engine_kwargs.setdefault("disable_log_stats", True)  # as vLLM's LLM: no periodic stats line
         self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
+        self._engine_lock = threading.RLock()  # held while a call adds requests and steps the engine
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
     def stats(self) -> dict:
-        return self.llm_engine.stats()
+        with self._engine_lock:
+            return self.llm_engine.stats()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -44,8 +51,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in the prompts' order."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts), self.llm_engine.default_params)
-        request_ids = self._add_all(prompts, params)
-        return self._run(request_ids, use_tqdm)
+        with self._engine_lock:
+            return self._run(self._add_all(prompts, params), use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -90,15 +97,17 @@ class LLM:
 
         The answer is one token per prompt, sampled greedily and thrown away: the prompt's last
         token is computed anyway, as for every request, so the cost is one sampling step."""
-        outputs = self.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm)
-        self.llm_engine.flush_tiers()
+        with self._engine_lock:
+            outputs = self.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm)
+            self.llm_engine.flush_tiers()
         return {"prompts": len(outputs), "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
                 "cached_tokens": sum(o.num_cached_tokens + o.num_chunk_hit_tokens for o in outputs)}
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (for measurements that start cold). True, as vLLM's answers
         on success: here it always succeeds (blocks still in use keep their data, not their hash)."""
-        self.llm_engine.reset_prefix_cache()
+        with self._engine_lock:
+            self.llm_engine.reset_prefix_cache()
         return True
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],

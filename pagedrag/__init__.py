@@ -31,7 +31,7 @@ from pagedrag.sampling_params import BeamSearchParams, SamplingParams  # noqa: E
 from pagedrag.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.2.0"
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "BeamSearchParams",
+__all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "BeamSearchParams",
            "StructuredOutputsParams", "GuidedDecodingParams",
            "RequestOutput", "CompletionOutput", "configure_logging", "__version__"]
 
@@ -55,11 +55,14 @@ if os.environ.get("PAGEDRAG_CONFIGURE_LOGGING") == "1":
 
 
 def __getattr__(name):
-    """LLM and LLMEngine load torch models: import them only when asked for."""
+    """LLM, LLMEngine and AsyncLLMEngine load torch models: import them only when asked for."""
     if name == "LLM":
         from pagedrag.entrypoints.llm import LLM
         return LLM
     if name == "LLMEngine":
         from pagedrag.engine.llm_engine import LLMEngine
         return LLMEngine
+    if name == "AsyncLLMEngine":
+        from pagedrag.entrypoints.async_engine import AsyncLLMEngine
+        return AsyncLLMEngine
     raise AttributeError(f"module 'pagedrag' has no attribute {name!r}")

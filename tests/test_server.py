@@ -552,3 +552,21 @@ def test_work_is_cancelled_when_the_client_leaves_first():
         assert await unless_disconnected(StayingClient(), asyncio.sleep(0, result="done")) == "done"
 
     asyncio.run(main())
+
+
+def test_the_engine_aborts_by_request_id_as_vllms_does(engine):
+    """``await engine.abort(id)`` ends the stream with finish_reason "abort"; unknown ids are ignored."""
+    from pagedrag import AsyncLLMEngine as exported, SamplingParams
+
+    async def main():
+        stream = engine.generate("Tell me a long story", SamplingParams(max_tokens=400, ignore_eos=True),
+                                 request_id="to-abort")
+        async for output in stream:
+            await engine.abort(["to-abort", "no-such-request"])
+            await engine.abort("no-such-request")
+        return output
+
+    last = asyncio.run(asyncio.wait_for(main(), 120))
+    assert exported is AsyncLLMEngine
+    assert last.finished and last.outputs[0].finish_reason == "abort" and len(last.outputs[0].token_ids) < 400
+    _wait_idle(engine)

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -234,6 +234,12 @@ class AsyncLLMEngine:
         self._leave()
         mailbox.post(error)
 
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """End these requests now (vLLM's ``abort``): each stream gets a finished output with
+        finish_reason "abort". Ids not in flight (unknown, or finished already) are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        await self._call(self._abort_ids, ids)
+
     def abort_all(self, reason: str) -> None:
         """End every request in flight now, from any thread: each gets a finished output with
         finish_reason "abort" (streams end normally). ``reason`` is logged."""
@@ -362,8 +368,12 @@ class AsyncLLMEngine:
         """Abort every request in flight; each mailbox gets the request's final output."""
         if self._mailboxes:
             logger.warning("aborting %d requests in flight: %s", len(self._mailboxes), reason)
-        for request_id in list(self._mailboxes):
-            output = self.engine.abort_request(request_id)
+        self._abort_ids(list(self._mailboxes))
+
+    def _abort_ids(self, request_ids: list[str]) -> None:
+        """Abort those of ``request_ids`` in flight; each one's mailbox gets its final output."""
+        for request_id in request_ids:
+            output = self.engine.abort_request(request_id) if request_id in self._mailboxes else None
             if output is not None:
                 self._deliver(output)
 

@@ -6,6 +6,8 @@ a host-memory KV tier) serves both back ends."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -14,6 +16,7 @@ from openai.types import CompletionUsage
 from pagedrag.client import (EngineClient, Generation, InProcessClient, RemoteClient, RemoteError, connect,
                              iterate_sync, run_sync)
 from pagedrag.client.remote import _with_usage
+from pagedrag.engine.recovery import EngineDeadError
 from pagedrag.deltas import ChoiceCursor
 from pagedrag.outputs import CompletionOutput
 from pagedrag.sampling_params import SamplingParams
@@ -397,3 +400,30 @@ def test_shutdown_shared_engines_frees_them_and_later_clients_load_anew():
     assert second.generate("Hello", _greedy(max_tokens=2)).text
     assert shutdown_shared_engines() == 1
 
+
+
+def test_a_forked_child_is_told_its_inherited_engine_is_the_parents():
+    """gunicorn --preload, Celery prefork: a child forked after the parent used the engine. Its
+    copy of the engine can run nothing (its threads stayed in the parent): calls fail at once
+    with EngineDeadError saying so (they waited forever), and sync calls still work there."""
+    local = connect(engine_kwargs=ENGINE_KWARGS)  # the module's, unless a test above shut it down
+    local.complete("Hello", _greedy(max_tokens=2))  # the portal and the engine's threads are running
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code, never return into pytest
+        code = 1
+        try:
+            try:
+                local.complete("Hello", _greedy(max_tokens=2))
+            except EngineDeadError as error:
+                code = 0 if "forked" in str(error) and run_sync(asyncio.sleep(0, "ok")) == "ok" else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError("the forked child hung")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert local.complete("Hello", _greedy(max_tokens=2)).text  # the parent goes on

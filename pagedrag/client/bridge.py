@@ -4,7 +4,8 @@ The portal (an event loop on a daemon thread; anyio >= 4.5) is started on first 
 serves the whole process and is stopped at exit. Synchronous calls therefore work where an
 event loop is already running (Jupyter) and from many threads at once, and the remote
 client keeps one pool of connections on the portal's loop. A synchronous call from the
-portal's own thread raises RuntimeError (it would wait for itself).
+portal's own thread raises RuntimeError (it would wait for itself). A process forked from
+one that used the portal starts a portal of its own.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
@@ -93,6 +95,21 @@ def _shared_portal() -> BlockingPortal:
             _portal = _portal_context.enter_context(start_blocking_portal())
             atexit.register(_stop_portal, _portal)
         return _portal
+
+
+def _forget_portal_after_fork() -> None:
+    """In a forked child the portal's thread does not exist: start a new portal on first use
+    there (the parent's would never run a task), and never wait for the old one at exit."""
+    global _portal, _portal_lock, _portal_context
+    atexit.unregister(_stop_portal)
+    _LEFT_BY_FORK.append(_portal_context)  # never finalized: closing it would wait for the missing thread
+    _portal, _portal_lock, _portal_context = None, threading.Lock(), contextlib.ExitStack()
+
+
+_LEFT_BY_FORK: list[contextlib.ExitStack] = []
+
+
+os.register_at_fork(after_in_child=_forget_portal_after_fork)
 
 
 def _stop_portal(portal: BlockingPortal) -> None:

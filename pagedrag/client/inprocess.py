@@ -8,6 +8,7 @@ import asyncio
 import atexit
 import dataclasses
 import json
+import os
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -132,6 +133,17 @@ def shutdown_shared_engines() -> int:
     for shared in engines:
         shared.engine.shutdown()
     return len(engines)
+
+
+def _forget_engines_after_fork() -> None:
+    """In a forked child the shared engines' threads stayed in the parent: clients made here
+    load engines of their own (those made before fail with EngineDeadError, saying why)."""
+    global _engines_lock
+    _engines.clear()
+    _engines_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_engines_after_fork)
 
 
 # At exit, the shared engines stop while the interpreter still runs threads: an engine thread

@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +63,17 @@ _Queued = tuple[str, ProcessedPrompt, SamplingParams | None, Mailbox]
 """A request on its way into the engine: id, prompt, parameters, mailbox."""
 
 
+_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()  # AsyncLLMEngines of this process, for the fork hook
+
+
+def _after_fork_in_child() -> None:
+    for engine in list(_LIVE_ENGINES):
+        engine._left_behind_by_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class AsyncLLMEngine:
     """An LLMEngine behind one thread, for many concurrent asyncio callers.
 
@@ -86,12 +99,23 @@ class AsyncLLMEngine:
         self._lock = threading.Lock()  # guards _num_in_flight and _closed
         self._num_in_flight = 0
         self._closed = False
-        self._dead_reason: str | None = None  # set on the engine thread only
+        self._dead_reason: str | None = None  # set on the engine thread only (or in a forked child)
         self._input_template = engine.inputs.copy()  # copied again for each user; never used itself
         self._inputs = threading.local()  # each input thread's own InputProcessor copy
         self._input_pool = concurrent.futures.ThreadPoolExecutor(NUM_INPUT_THREADS, "pagedrag-inputs")
         self._thread = threading.Thread(target=self._run, name="pagedrag-engine", daemon=True)
         self._thread.start()
+        _LIVE_ENGINES.add(self)
+
+    def _left_behind_by_fork(self) -> None:
+        """In a forked child: the engine's threads stayed in the parent, so this copy can run
+        nothing; every call fails at once with EngineDeadError rather than wait forever."""
+        self._lock = threading.Lock()  # the parent's may have been held by one of its threads
+        self._closed = True
+        self._dead_reason = ("this engine belongs to the process this one was forked from (os.fork); "
+                             "make a new engine in this process")
+        self._input_pool = concurrent.futures.ThreadPoolExecutor(1)
+        self._input_pool.shutdown()  # submit() raises: the request is refused with the reason
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
@@ -159,7 +183,7 @@ class AsyncLLMEngine:
         try:
             prepared = self._input_pool.submit(self._prepare, prompt, params, cache_salt)
         except RuntimeError:  # the pool has shut down
-            self._reject(mailbox, EngineDeadError("the engine has shut down"))
+            self._reject(mailbox, EngineDeadError(self._dead_reason or "the engine has shut down"))
         else:
             prepared.add_done_callback(lambda done: self._queue_prepared(request_id, done, params, mailbox))
         return RequestStream(request_id, mailbox, self._abort_later, _output_kind(params))
@@ -272,7 +296,7 @@ class AsyncLLMEngine:
     def _enqueue(self, command: Callable[[], None]) -> None:
         with self._lock:
             if self._closed:
-                raise EngineDeadError("the engine has shut down")
+                raise EngineDeadError(self._dead_reason or "the engine has shut down")
             self._commands.put(command)
 
     def _abort_later(self, request_id: str, mailbox: Mailbox) -> None:

@@ -141,12 +141,16 @@ def test_demo_and_bench_length_is_capped_at_the_models_limit(tmp_path):
     assert loader.capped_max_model_len(path, 256) == 256
 
 
-def test_a_command_that_meets_bad_input_says_so_in_a_line(tmp_path, capfd):
+def test_a_command_that_meets_bad_input_says_so_in_a_line(tmp_path, caplog, monkeypatch):
+    import pagedrag
     from pagedrag.entrypoints.cli import main
 
-    assert main(["demo", "--model", str(tmp_path / "missing")]) == 1
-    err = capfd.readouterr().err
-    assert f"pagedrag demo: no model folder at '{tmp_path / 'missing'}'" in err and "Traceback" not in err
+    monkeypatch.setattr(pagedrag, "configure_logging", lambda: None)  # its handler would outlive the test
+    with caplog.at_level("ERROR", logger="pagedrag"):
+        assert main(["demo", "--model", str(tmp_path / "missing")]) == 1
+    [record] = caplog.records
+    assert record.getMessage() == f"pagedrag demo: no model folder at '{tmp_path / 'missing'}'"
+    assert not record.exc_info  # no traceback
 
 
 def test_dummy_weights_from_config_object():

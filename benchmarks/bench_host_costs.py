@@ -31,6 +31,7 @@ import json, sys, time
 sys.path.insert(0, {tree!r})
 sys.path.insert(0, {tests!r})
 from model_fixtures import make_tiny_model
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from pagedrag import LLM, SamplingParams
 
 folder = {folder!r}
@@ -53,8 +54,12 @@ figures["plain, 16k-token prompt"] = step_ms(long, prompt, 64)
 figures["repetition_penalty, 16k-token prompt"] = step_ms(long, prompt, 64, repetition_penalty=1.1)
 del long
 
-big = LLM(str(make_tiny_model(folder, "llama", vocab_size=131072)), max_model_len=512,
-          kv_cache_memory_bytes=1 << 30, cpu_threads=1)
+base = make_tiny_model(folder, "llama")  # its tokenizer, over a model of a 131,072-token vocabulary
+config = LlamaConfig.from_pretrained(base)
+config.vocab_size = 131072
+LlamaForCausalLM(config).save_pretrained(folder + "/bigvocab")
+AutoTokenizer.from_pretrained(base).save_pretrained(folder + "/bigvocab")
+big = LLM(folder + "/bigvocab", max_model_len=512, kv_cache_memory_bytes=1 << 30, cpu_threads=1)
 figures["plain, 131k vocabulary"] = step_ms(big, short, 100)
 figures["logit_bias of 131,072 entries"] = step_ms(big, short, 100, logit_bias={{i: -0.01 for i in range(131072)}})
 figures["allowed_token_ids of 131,072"] = step_ms(big, short, 100, allowed_token_ids=list(range(131072)))
@@ -80,7 +85,9 @@ print(json.dumps(figures))
 def figures_of(tree: Path, folder: str) -> dict[str, float]:
     """One process of ``tree``'s code: ms a token (or a step) by setting."""
     code = ONE_PROCESS.format(tree=str(tree), tests=str(ROOT / "tests"), folder=folder)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"the run of {tree} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.splitlines()[-1])
 
 

@@ -232,7 +232,14 @@ def test_calls_from_several_threads_each_get_their_own_outputs(llm):
     def answer(prompt: dict) -> list[int]:
         return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
 
+    def reply(index: int) -> list[int]:
+        return llm.chat([{"role": "user", "content": f"question {index}"}], params,
+                        use_tqdm=False)[0].outputs[0].token_ids
+
     alone = [answer(prompt) for prompt in prompts]
+    replies = [reply(index) for index in range(4)]
     with ThreadPoolExecutor(4) as pool:
-        assert list(pool.map(answer, prompts * 3)) == alone * 3
+        answers = pool.map(answer, prompts * 3)
+        chats = pool.map(reply, list(range(4)) * 3)
+        assert (list(answers), list(chats)) == (alone * 3, replies * 3)
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]

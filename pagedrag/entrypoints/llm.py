@@ -67,20 +67,23 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        kwargs = {**(chat_template_kwargs or {}), "continue_final_message": continue_final_message,
-                  "tools": self.llm_engine.inputs.plan_tools(tools, "none")}  # rendered, never parsed
-        if chat_template is not None:
-            kwargs["chat_template"] = chat_template
         params = _per_prompt(sampling_params, len(conversations), self.llm_engine.default_params)
-        render = self.llm_engine.inputs.render_chat  # keeps the segments of chunk reuse
-        prompts = [render(c, add_generation_prompt, truncate_prompt_tokens=p.truncate_prompt_tokens, **kwargs)
-                   for c, p in zip(conversations, params)]
-        return self.generate(prompts, params, use_tqdm)
+        with self._engine_lock:  # the engine's input processor is one thread's at a time
+            inputs = self.llm_engine.inputs
+            kwargs = {**(chat_template_kwargs or {}), "continue_final_message": continue_final_message,
+                      "tools": inputs.plan_tools(tools, "none")}  # rendered, never parsed
+            if chat_template is not None:
+                kwargs["chat_template"] = chat_template
+            prompts = [inputs.render_chat(c, add_generation_prompt, truncate_prompt_tokens=p.truncate_prompt_tokens,
+                                          **kwargs)  # keeps the segments of chunk reuse
+                       for c, p in zip(conversations, params)]
+            return self.generate(prompts, params, use_tqdm)
 
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             **kwargs) -> dict:
         """A prompt dict (text and token ids) for one conversation."""
-        prompt = self.llm_engine.inputs.render_chat(conversation, add_generation_prompt, **kwargs)
+        with self._engine_lock:
+            prompt = self.llm_engine.inputs.render_chat(conversation, add_generation_prompt, **kwargs)
         return {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
 
     def get_default_sampling_params(self) -> SamplingParams:

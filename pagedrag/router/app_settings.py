@@ -37,7 +37,7 @@ def serve_argv(settings: dict, parser: argparse.ArgumentParser) -> list[str]:
         if key not in actions:
             raise ValueError(f"unknown setting {key!r}: not a `pagedrag serve` flag (without dashes), "
                              "nor num_replicas, num_gpus or num_cpus")
-        argv += _flag_arguments(actions[key], value)
+        argv += flag_arguments(actions[key], value)
     return argv
 
 
@@ -47,16 +47,18 @@ def _actions_by_setting(parser: argparse.ArgumentParser) -> dict[str, argparse.A
             for option in action.option_strings[:1] if option.startswith("--")}
 
 
-def _flag_arguments(action: argparse.Action, value) -> list[str]:
+def flag_arguments(action: argparse.Action, value) -> list[str]:
+    """The command-line arguments that give option ``action`` the value ``value`` (the Ray
+    settings' and the data-parallel replicas' command lines are made with it)."""
     flag = action.option_strings[0]
     if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
         on = _truthy(flag, value)
         if isinstance(action, argparse.BooleanOptionalAction):
             return [flag if on else action.option_strings[1]]
         return [flag] if on else []  # a switch: off is its default
-    values = value if isinstance(value, list) else [value]
-    if isinstance(value, dict):
+    if isinstance(value, dict):  # a JSON flag: its text, not Python's repr
         return [flag, json.dumps(value)]
+    values = value if isinstance(value, list) else [value]
     if isinstance(action, argparse._AppendAction):  # noqa: SLF001 - repeated: the flag per value
         return [item for entry in values for item in (flag, str(entry))]
     if action.nargs in ("+", "*"):

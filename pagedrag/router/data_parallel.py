@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagedrag.router.affinity import AffinityThresholds, ReplicaChooser
+from pagedrag.router.app_settings import flag_arguments
 from pagedrag.router.metrics_sum import CumulativeMemory, merge_metrics, merge_stats
 from pagedrag.router.prompt_blocks import PromptBlocks
 from pagedrag.router.proxy_headers import forwarded_headers
@@ -393,21 +393,7 @@ def replica_argv(parser: argparse.ArgumentParser, args: argparse.Namespace, skip
         value = getattr(args, action.dest)
         if value == action.default:
             continue
-        flag = action.option_strings[0] if action.option_strings else None
-        if flag is None:  # a positional
-            argv.append(str(value))
-        elif isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else action.option_strings[1])
-        elif action.nargs == 0:  # store_true
-            argv.append(flag)
-        elif isinstance(value, list) and action.nargs is None:  # append: the flag once per value
-            argv += [item for entry in value for item in (flag, str(entry))]
-        elif isinstance(value, list):
-            argv += [flag, *map(str, value)]
-        elif isinstance(value, dict):  # a JSON flag (--speculative-config): its text, not Python's repr
-            argv += [flag, json.dumps(value)]
-        else:
-            argv += [flag, str(value)]
+        argv += flag_arguments(action, value) if action.option_strings else [str(value)]  # or a positional
     return argv
 
 

@@ -27,12 +27,12 @@ if "torch" not in sys.modules:
 
 from pagedrag.config import EngineArgs  # noqa: E402  (after the OpenMP setting)
 from pagedrag.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from pagedrag.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
+from pagedrag.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams  # noqa: E402
 from pagedrag.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: E402
 
 __version__ = "0.2.0"
 __all__ = ["LLM", "LLMEngine", "AsyncLLMEngine", "EngineArgs", "SamplingParams", "BeamSearchParams",
-           "StructuredOutputsParams", "GuidedDecodingParams",
+           "RequestOutputKind", "StructuredOutputsParams", "GuidedDecodingParams",
            "RequestOutput", "CompletionOutput", "configure_logging", "__version__"]
 
 

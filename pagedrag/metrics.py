@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagedrag.core.request import RequestStatus
 from pagedrag.outputs import RequestMetrics, SpecDecodeCounts
 
 METRICS_PREFIXES = ("pagedrag", "vllm")
+FINISHED_REASONS = tuple(status.value for status in RequestStatus if status.finished)  # stop, length, abort
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
@@ -61,8 +63,11 @@ class EngineMetrics:
         self.num_prompt_tokens = self.num_generation_tokens = 0  # totals, for stats()
         self._tiers = TierMetrics(self.registry, prefix, model_name)
         self._spec = SpecDecodeMetrics(self.registry, prefix, model_name)
-        self._success = Counter(f"{prefix}:request_success", "Requests finished, by finished_reason.",
+        self._success = Counter(f"{prefix}:request_success", "Requests finished, by finished_reason "
+                                "(stop, length, or abort: a client gone, a cancel, a failed request).",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISHED_REASONS:  # each series from the start, at 0 (as vLLM's)
+            self._success.labels(model_name=model_name, finished_reason=reason)
 
     def observe_queues(self, kv_usage: float, running: int, waiting: int, swapped: int) -> None:
         """Gauges of the pool and the queues (after every step and every abort)."""

@@ -173,8 +173,8 @@ class SamplingParams:
              f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (vLLM's default max_logprobs; -1, every token, "
              f"is past it), got {self.prompt_logprobs}"),
             ("seed", self.seed is None or SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1),
-             f"seed must be in [{SEED_MIN}, {SEED_MAX}] for every one of the n={self.n} completions "
-             f"(completion i uses seed + i), got {self.seed}"),
+             f"seed must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] with n={self.n} (completion i uses "
+             f"seed + i, and each must be in [{SEED_MIN}, {SEED_MAX}]), got {self.seed}"),
             ("stop", all(self.stop), "stop strings must not be empty"),
             ("stop", len(self.stop) <= MAX_STOP_STRINGS,
              f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"),

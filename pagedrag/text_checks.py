@@ -6,14 +6,22 @@ import math
 from numbers import Integral, Real
 
 
+class InvalidUTF8(ValueError):
+    """Text that is not valid UTF-8; ``where`` names it (a field, or a path into one)."""
+
+    def __init__(self, where: str, message: str):
+        super().__init__(message)
+        self.where = where
+
+
 def check_utf8(name: str, text: str) -> None:
     """Refuse text that cannot be encoded as UTF-8 (a lone surrogate, e.g. from a JSON
     escape like "\\ud800"): hashing, tokenizing or echoing it would fail later."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ValueError(f"{name} is not valid UTF-8 text: a lone surrogate "
-                         f"{text[error.start]!r} at character {error.start}") from None
+        raise InvalidUTF8(name, f"{name} is not valid UTF-8 text: a lone surrogate "
+                                f"{text[error.start]!r} at character {error.start}") from None
 
 
 def check_utf8_within(value: object, path: str) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from pagedrag import LLM, EngineArgs, SamplingParams
 from model_fixtures import make_tiny_model
+from pagedrag.worker.fork_trial import exit_code_in_a_fork
 
 BLOCK = 16
 
@@ -185,6 +186,31 @@ def test_abort_frees_blocks(llm, path, async_scheduling):
     assert not engine.has_unfinished_requests()
     assert llm.stats()["num_free_blocks"] == llm.stats()["num_gpu_blocks"]
     assert gen(llm, ids(3, 25), max_tokens=4).outputs[0].token_ids  # the engine goes on
+
+
+def test_gpu_memory_utilization_on_cpu_is_a_logged_warning(path, caplog):
+    """A vLLM user's gpu_memory_utilization has no meaning on CPU (the pool takes a share of
+    available memory): said, not dropped in silence."""
+    with caplog.at_level("WARNING", logger="pagedrag"):
+        LLM(path, max_model_len=256, gpu_memory_utilization=0.5, device="cpu")
+    assert "gpu_memory_utilization=0.5 is a share of GPU memory" in caplog.text
+
+
+def test_a_forked_child_cannot_run_the_parents_engine(llm):
+    """Its tier writer, worker ranks and thread settings stayed in the parent: the child's
+    copy fails at once, naming the fork, and the parent goes on."""
+    from pagedrag.engine.recovery import EngineDeadError
+    assert gen(llm, ids(0, 20)).outputs[0].token_ids
+
+    def in_the_child() -> int:
+        try:
+            gen(llm, ids(0, 20))
+        except EngineDeadError as error:
+            return 0 if "forked" in str(error) else 2
+        return 1
+
+    assert exit_code_in_a_fork(in_the_child, timeout_s=60) == 0
+    assert gen(llm, ids(0, 20)).outputs[0].token_ids
 
 
 def test_beam_search_width_one_is_greedy_and_scores_are_true_logprobs(llm, path):

@@ -84,6 +84,25 @@ def test_the_size_budget_evicts_least_recently_used_first(tmp_path):
     assert store.contains(_key(0)) and store.contains(_key(10)) and not store.contains(_key(1))
 
 
+def test_room_is_made_before_a_block_is_published(tmp_path, monkeypatch):
+    """Never over budget, not even while a put holds the lock: the directory's block files
+    and the one being published fit it at the moment it gets its name."""
+    from pagedrag.kv_tiers import disk_store
+    one = len(disk_format.encode(_key(0), KEYSPACE, _block(0)))
+    store = DiskStore(tmp_path, 4 * one, KEYSPACE)
+    publishing, real_link = [], os.link
+
+    def link(source, target):
+        publishing.append(sum(path.stat().st_size for path in tmp_path.rglob("*.kv")) + os.path.getsize(source))
+        return real_link(source, target)
+
+    monkeypatch.setattr(disk_store.os, "link", link)
+    for seed in range(12):
+        store.put(_key(seed), _block(seed))
+    assert len(publishing) == 12 and max(publishing) <= 4 * one
+    assert store.contains(_key(11)) and not store.contains(_key(0))
+
+
 def test_the_budget_covers_every_keyspace_and_old_ones_age_out(tmp_path):
     """Engines of two checkpoints share one directory's budget: the one no engine writes any
     more is evicted first, and the directory never holds more than the budget."""

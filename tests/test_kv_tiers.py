@@ -301,3 +301,13 @@ def test_a_tight_pool_with_loads_for_many_requests_at_once_makes_progress(tiny):
     served = sum(o.num_tier_hit_tokens.get("host", 0) for o in again)
     assert llm.stats()["kv_tiers"]["hit_tokens"]["host"] == served > 0
     assert all(sum(o.num_tier_hit_tokens.values()) <= o.num_cached_tokens for o in again)
+
+
+def test_the_stats_line_reads_a_small_tier_in_mib():
+    """A tier of a few MiB read "0.00/0.00 GiB" in the periodic stats line."""
+    from pagedrag.engine.stats_log import _tiers_line
+    tiers = {"tiers": {"disk": {"used_bytes": 1_500_000, "capacity_bytes": 2 << 20, "enabled": True},
+                       "host": {"used_bytes": 1 << 30, "capacity_bytes": 4 << 30, "enabled": False}},
+             "hit_tokens": {"disk": 32}, "external_prefix_cache_queries": 64, "external_prefix_cache_hits": 32}
+    assert _tiers_line(tiers) == ("disk 1.43/2.00 MiB (32 tokens served), host 1.00/4.00 GiB (0 tokens served, off), "
+                                  "hit rate below the pool: 50.0%")

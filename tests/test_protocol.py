@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pagedrag.server.protocol import ChatCompletionRequest
+from pagedrag.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -34,3 +34,16 @@ def test_what_would_change_the_answer_is_refused_by_name(fields, named):
 ])
 def test_what_leaves_the_answer_as_it_is_is_accepted(fields):
     ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+
+
+@pytest.mark.parametrize("model, fields", [
+    (CompletionRequest, {"prompt": "Hi", "echo": False, "suffix": ""}),
+    (ChatCompletionRequest, {"messages": MESSAGES, "modalities": ["text"], "function_call": "none"}),
+])
+def test_known_fields_at_their_unused_value_are_not_called_unknown(model, fields, caplog):
+    """A client that sends ``echo: false`` (the openai SDK's default for legacy completions) on
+    every request must not put a warning in the log for each of them."""
+    model.model_validate(fields)
+    assert "unknown fields" not in caplog.text
+    model.model_validate({**fields, "not_a_field": 1})
+    assert "ignoring unknown fields ['not_a_field']" in caplog.text

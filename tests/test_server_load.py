@@ -55,7 +55,14 @@ def _counters(base_url: str) -> dict[str, float]:
     for family in text_string_to_metric_families(httpx.get(base_url + "/metrics").text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            if "finished_reason" in sample.labels:
+                labeled = f'{sample.name}{{finished_reason="{sample.labels["finished_reason"]}"}}'
+                values[labeled] = values.get(labeled, 0.0) + sample.value
     return values
+
+
+def _aborted(values: dict[str, float]) -> float:
+    return values.get('pagedrag:request_success_total{finished_reason="abort"}', 0.0)
 
 
 async def _stream_one(client: httpx.AsyncClient, prompt: str, drop: bool) -> tuple[str, int, bool]:
@@ -140,4 +147,8 @@ def test_load_with_aborts(server, engine):
     assert (finished_tokens + sum(t for t, _ in dropped) <= grew("pagedrag:generation_tokens_total")
             <= finished_tokens + MAX_TOKENS * len(dropped))
     assert grew("pagedrag:time_to_first_token_seconds_count") == NUM_REQUESTS
-    assert NUM_REQUESTS - len(dropped) <= grew("pagedrag:request_success_total") <= NUM_REQUESTS
+    # every request ends once, by stop, length or abort (a client gone mid-stream)
+    assert grew("pagedrag:request_success_total") == NUM_REQUESTS
+    assert grew("pagedrag:e2e_request_latency_seconds_count") == NUM_REQUESTS
+    aborted = _aborted(after) - _aborted(before)
+    assert aborted <= len(dropped) and NUM_REQUESTS - len(dropped) <= NUM_REQUESTS - aborted

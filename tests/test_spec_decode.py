@@ -24,6 +24,10 @@ from pagedrag.spec_decode.config import SpeculativeConfig
 from pagedrag.spec_decode.drafter import Drafter
 from pagedrag.spec_decode.ngram import NgramIndex
 from pagedrag.spec_decode.suffix import ContinuationCounts, GlobalIndex, SuffixProposer
+from pagedrag.models.loader import load_tokenizer
+from pagedrag.structured import StructuredOutputsParams
+from pagedrag.structured.compiler import GrammarCompiler
+from pagedrag.structured.masks import grammar_prefix
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 6}
@@ -243,6 +247,20 @@ def test_structured_rows_draft_within_their_grammar(tiny, method):
     assert token_ids(generate(speculative, prompts, **seeded)) == token_ids(generate(plain, prompts, **seeded))
     assert generate(speculative, prompts[:1], structured_outputs=constraints[0])[0].outputs[0].text == "ab" * 6
     assert_all_free(speculative)
+
+
+def test_drafts_are_cut_before_special_tokens_without_asking_the_grammar(capfd):
+    """A suffix draft copied from an earlier chat holds special tokens (<|im_end|>): they are
+    cut as refused, and xgrammar is not asked (it writes a warning to stderr at each one)."""
+    tokenizer = load_tokenizer()
+    grammars = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    matcher = grammars.matcher(StructuredOutputsParams(json={"type": "object"}))
+    special = sorted(grammars.special_token_ids)
+    assert special  # SmolLM2's chat markers
+    brace = tokenizer.encode("{")
+    assert grammar_prefix(matcher, brace + special[:1] + brace, grammars.special_token_ids) == brace
+    assert matcher.accept_token(brace[0])  # left as it was found
+    assert "cannot accept special token" not in capfd.readouterr().err
 
 
 def test_metrics_and_stats_agree(tiny):

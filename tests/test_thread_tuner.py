@@ -2,9 +2,12 @@
 machine that turns busy or quiet, keeps its probes rare when they keep losing, and is
 what the engine uses by default on CPU (a fixed cpu_threads turns it off)."""
 
+import threading
+
 import torch
 
-from pagedrag.worker.cpu_threads import configure_cpu_threads
+from pagedrag.worker.cpu_threads import configure_cpu_threads, threads_start_in_a_fork
+from pagedrag.worker.fork_trial import exit_code_in_a_fork
 from pagedrag.worker.thread_tuner import MAX_PROBE_INTERVAL, ThreadTuner, thread_candidates
 
 
@@ -116,3 +119,37 @@ def test_the_callers_thread_count_is_kept_across_an_engine_step():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_fork_of_a_thread_that_ran_openmp_computes_on_one_thread(caplog):
+    """gunicorn --preload, Celery prefork: GNU OpenMP's threads never start from the copy of
+    the thread that had run them before the fork (the child hung for good loading its engine).
+    An engine made on that thread runs on one thread, and says why; one made on another thread
+    keeps its threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(1 << 20).cos_()  # this thread runs a parallel region, then forks
+
+        def in_the_child() -> int:
+            kept = []
+
+            def on_a_new_thread():
+                configure_cpu_threads(2)
+                torch.ones(1 << 20).cos_()
+                kept.append(torch.get_num_threads())
+
+            worker = threading.Thread(target=on_a_new_thread)
+            worker.start()
+            worker.join()
+            if kept != [2] or "OpenMP" in caplog.text:
+                return 3
+            if threads_start_in_a_fork(2, timeout_s=3):
+                return 4
+            assert configure_cpu_threads(2) is None and torch.get_num_threads() == 1
+            torch.ones(1 << 20).cos_()  # compute works on the forking thread, on one thread
+            return 0 if "OpenMP cannot start threads" in caplog.text else 5
+
+        assert exit_code_in_a_fork(in_the_child, timeout_s=120) == 0
+    finally:
+        torch.set_num_threads(threads)

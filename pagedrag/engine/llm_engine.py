@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 import itertools
 import logging
+import os
 import secrets
 import time
 import weakref
@@ -32,7 +33,7 @@ from pagedrag.engine.stats_log import StatsLog
 from pagedrag.engine.output_processor import (RequestGroup, StopPolicy, mark_first_token, new_sequence_text,
                                record_logprobs, record_prompt_logprobs, update_text)
 from pagedrag.outputs import RequestOutput, SpecDecodeCounts
-from pagedrag.engine.recovery import EngineDeadError, Probation, is_device_failure
+from pagedrag.engine.recovery import EngineDeadError, Probation, check_not_forked, is_device_failure
 from pagedrag.kv_tiers.build import build_tiers
 from pagedrag.core.request import Request, RequestStatus
 from pagedrag.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class LLMEngine:
         if args.seed is None:  # as vLLM: a random seed, drawn before the ranks start so that all share it
             args = dataclasses.replace(args, seed=secrets.randbits(63))
         self.args = args
+        self._owner_pid = os.getpid()  # a forked child's copy runs nothing (check_not_forked)
         self.tiers = None  # built once the device side is (shutdown() may run before)
         self.ranks = start_ranks(args)  # one rank, or rank 0 of a tensor-parallel group
         # Stops the workers when the engine is dropped or the interpreter exits (no reference to self).
@@ -90,7 +92,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, args.block_size, args.enable_prefix_caching, num_cpu_blocks,
                                  chunk_reuse, self.tiers)
         speculative = args.speculative()
-        self.drafter = None if speculative is None else Drafter(speculative)
+        self.drafter = None if speculative is None else Drafter(speculative, self.inputs.grammars)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs,
                                    args.resolved_max_num_batched_tokens(self.max_model_len, self.device),
                                    args.enable_chunked_prefill, args.preemption_mode, self.max_model_len,
@@ -139,6 +141,7 @@ class LLMEngine:
                     params: SamplingParams | None = None, cache_salt: str | None = None) -> str:
         """Validate and queue a request; raises ValueError / TypeError (nothing queued) on bad
         input. A ProcessedPrompt (from ``inputs`` on another thread) is queued as it is."""
+        check_not_forked(self._owner_pid)
         params = params or self.default_params
         self.inputs.check_params(params)
         request_id = request_id if request_id is not None else str(next(self._request_counter))
@@ -174,6 +177,8 @@ class LLMEngine:
         for seq in group.sequences:
             if not seq.is_finished:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+                self.metrics.request_finished(RequestStatus.FINISHED_ABORTED.value, seq.metrics,
+                                              seq.num_output_tokens)
         self._observe_pool()
         output = group.to_output()
         output.finished = True
@@ -217,6 +222,7 @@ class LLMEngine:
         outputs come back finished, with ``error`` set. Raises EngineDeadError (or the device's
         error) only when the device or the model is broken.
         """
+        check_not_forked(self._owner_pid)
         probing = self.probation.head() if self.probation else None
         try:
             with nullcontext() if self.runner.threads is None else self.runner.threads.caller_threads_kept():

@@ -11,6 +11,7 @@ for a device failure, or when step after step keeps failing whatever runs in it.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 import torch
@@ -26,6 +27,17 @@ MAX_CONSECUTIVE_FAILED_STEPS = 8
 
 class EngineDeadError(RuntimeError):
     """The engine cannot take requests any more (shut down, or its device or model failed)."""
+
+
+FORKED = ("this engine belongs to the process this one was forked from (os.fork); "
+          "make a new engine in this process")
+
+
+def check_not_forked(owner_pid: int) -> None:
+    """Raise EngineDeadError (FORKED) in a process forked from the one whose id is
+    ``owner_pid``: the engine's threads, worker processes and tier writer stayed there."""
+    if os.getpid() != owner_pid:
+        raise EngineDeadError(FORKED)
 
 
 class RequestFailedError(RuntimeError):

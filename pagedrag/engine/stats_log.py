@@ -41,9 +41,15 @@ class StatsLog:
 
 def _tiers_line(tiers: dict) -> str:
     """Each tier's use and the tokens it served, then the external hit rate."""
-    parts = [f"{name} {t['used_bytes'] / (1 << 30):.2f}/{t['capacity_bytes'] / (1 << 30):.2f} GiB "
+    parts = [f"{name} {_used_of(t['used_bytes'], t['capacity_bytes'])} "
              f"({tiers['hit_tokens'].get(name, 0)} tokens served{'' if t['enabled'] else ', off'})"
              for name, t in tiers["tiers"].items()]
     queries = tiers["external_prefix_cache_queries"]
     rate = tiers["external_prefix_cache_hits"] / queries if queries else 0.0
     return ", ".join(parts) + f", hit rate below the pool: {100 * rate:.1f}%"
+
+
+def _used_of(used: int, capacity: int) -> str:
+    """"0.52/4.00 GiB", in MiB where the capacity is under a GiB (a small tier read 0.00/0.00)."""
+    unit, name = (1 << 30, "GiB") if capacity >= 1 << 30 else (1 << 20, "MiB")
+    return f"{used / unit:.2f}/{capacity / unit:.2f} {name}"

@@ -32,7 +32,7 @@ from pagedrag.config import EngineArgs
 from pagedrag.engine.llm_engine import LLMEngine
 from pagedrag.engine.inputs import InputProcessor, ProcessedPrompt, PromptType
 from pagedrag.outputs import RequestOutput
-from pagedrag.engine.recovery import EngineDeadError, RequestFailedError
+from pagedrag.engine.recovery import FORKED, EngineDeadError, RequestFailedError
 from pagedrag.entrypoints.request_stream import Mailbox, RequestStream
 from pagedrag.sampling_params import SamplingParams
 
@@ -112,8 +112,7 @@ class AsyncLLMEngine:
         nothing; every call fails at once with EngineDeadError rather than wait forever."""
         self._lock = threading.Lock()  # the parent's may have been held by one of its threads
         self._closed = True
-        self._dead_reason = ("this engine belongs to the process this one was forked from (os.fork); "
-                             "make a new engine in this process")
+        self._dead_reason = FORKED
         self._input_pool = concurrent.futures.ThreadPoolExecutor(1)
         self._input_pool.shutdown()  # submit() raises: the request is refused with the reason
 

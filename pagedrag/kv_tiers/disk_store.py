@@ -17,14 +17,14 @@ Invariants:
   without the lock) stay counted until the next eviction's recount (it comes early), and a
   writer killed between publishing and counting leaves its block uncounted; every store's
   open recounts, and so does every eviction.
-- The size budget holds across processes and restarts: a put that leaves the count over
-  capacity evicts in the same locked step (the least recently used files of every engine and
-  keyspace, by modification time, which a hit refreshes) down to 90% of it: the blocks of a
-  checkpoint no engine loads any more age out. So after any put returns, the
-  directory holds at most capacity bytes (that store's) of block files, whichever processes
-  wrote them, plus any blocks of killed writers left uncounted until a recount; transiently,
-  while a put holds the lock, one block more, besides the temporary files of writes in
-  flight. Puts never scan the directory (it may hold 100k files); open and eviction do.
+- The size budget holds across processes and restarts: a put whose file would take the count
+  over capacity first evicts, in the same locked step, the least recently used files of every
+  engine and keyspace (by modification time, which a hit refreshes) down to 90% of it less the
+  file: the blocks of a checkpoint no engine loads any more age out. So the directory never
+  holds more than capacity bytes (that store's) of counted block files, whichever processes
+  wrote them; beyond them only the temporary files of writes in flight and any blocks of
+  killed writers left uncounted until a recount. Puts never scan the directory (it may hold
+  100k files); open and eviction do.
 - Only what the store's own names match is ever counted, evicted or swept: a directory shared
   with other files loses none of them. Of those, only regular files are counted and evicted.
 - A file that fails to decode, or anything else at a block's path (a directory, a FIFO, a
@@ -194,22 +194,25 @@ class DiskStore:
 
     def _publish(self, temporary: Path, path: Path, used: int, published: list) -> int:
         """Under the lock: give the written temporary file its final name unless a file has it
-        already, and count it (noted in ``published``); returns the new count, evicting first
-        if it is over capacity."""
+        already, and count it (noted in ``published``); returns the new count. Room is made
+        first where the file would take the count over capacity."""
+        size = temporary.stat().st_size
+        if used + size > self.capacity_bytes:
+            used = self._evict(room_for=size)
         try:
             os.link(temporary, path)
-            used += temporary.stat().st_size
+            used += size
             published.append(path)
         except FileExistsError:  # another writer published the same bytes, and counted them
             pass
-        return self._evict() if used > self.capacity_bytes else used
+        return used
 
-    def _evict(self) -> int:
-        """Under the lock: remove least recently used files (every engine's) until under the
-        low-water mark; returns the bytes left, recounted."""
+    def _evict(self, room_for: int = 0) -> int:
+        """Under the lock: remove least recently used files (every engine's) until the low-water
+        mark less ``room_for`` bytes is reached; returns the bytes left, recounted."""
         files = sorted(self._files(), key=_mtime)
         used = sum(_size(entry) for entry in files)
-        target = self.capacity_bytes * _LOW_WATER
+        target = self.capacity_bytes * _LOW_WATER - room_for
         for entry in files:
             if used <= target:
                 break

@@ -29,7 +29,7 @@ DEFAULT_MAX_TOKENS = 512  # Vllm's and langchain_community VLLM's max_new_tokens
 DEFAULT_MAX_RETRIES = 2
 # Settings read into every request; None leaves a field to SamplingParams' default.
 # (max_tokens is always sent: None there means "until EOS", not SamplingParams' 16.)
-SERVER_ONLY = ("timeout", "max_retries")  # a connection's: an in-process engine has none
+SERVER_ONLY = ("api_key", "timeout", "max_retries")  # a connection's: an in-process engine has none
 # Engine arguments that a server (base_url) ignores at the value the replaced classes default
 # to: VllmServer inherits Vllm's trust_remote_code=True and never uses it.
 SERVER_IGNORED_ENGINE_ARGS = {"trust_remote_code": True}
@@ -125,7 +125,7 @@ class EngineSettings(BaseModel):
         given = [name for name in SERVER_ONLY if self._differs_from_default(name)]
         if given:
             logger.warning("%s: %s not used: connection settings of a server (base_url), and the engine runs in "
-                           "process", type(self).__name__, " and ".join(given))
+                           "process", type(self).__name__, ", ".join(given))
 
     def _differs_from_default(self, name: str) -> bool:
         """Whether the field was given, with a value other than its default."""

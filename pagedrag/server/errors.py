@@ -87,7 +87,11 @@ def _validation_error(errors: list[dict]) -> APIError:
     def param(error: dict) -> str | None:  # a validator's ParameterError names its field
         return where(error) or getattr(error.get("ctx", {}).get("error"), "param", None)
 
-    message = "; ".join(f"{where(error) or 'body'}: {error['msg']}" for error in errors)
+    def described(error: dict) -> str:  # pydantic's "Value error, " prefix is noise to a client
+        text = error["msg"].removeprefix("Value error, ")
+        return f"{where(error)}: {text}" if where(error) else text
+
+    message = "; ".join(described(error) for error in errors)
     return APIError(400, message, param=param(errors[0]))
 
 

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 from pagedrag.sampling_params import MAX_LOGPROBS, ParameterError, SamplingParams
 from pagedrag.structured import StructuredOutputsParams
 from pagedrag.structured.params import response_format_fields
-from pagedrag.text_checks import check_utf8_within
+from pagedrag.text_checks import InvalidUTF8, check_utf8_within
 
 logger = logging.getLogger("pagedrag")
 
@@ -59,17 +59,24 @@ class StrictRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     WARN_UNKNOWN: ClassVar[bool] = True  # False where extra fields are read on purpose
+    # known fields the server does not serve: field -> the values that mean "not used" (null is
+    # always accepted); anything else is a 400 (SamplingRequest), and they are never "unknown"
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _utf8_only(cls, data: Any) -> Any:
-        check_utf8_within(data, cls.__name__)
+        try:
+            check_utf8_within(data, cls.__name__)
+        except InvalidUTF8 as error:  # the error's param: the field's path in the body
+            raise ParameterError(error.where.removeprefix(f"{cls.__name__}."), str(error)) from None
         return data
 
     @model_validator(mode="after")
     def _warn_unknown(self) -> "StrictRequest":
-        if self.model_extra and self.WARN_UNKNOWN:
-            logger.warning("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra)[:20])
+        unknown = sorted(set(self.model_extra or ()) - set(self.UNSUPPORTED))
+        if unknown and self.WARN_UNKNOWN:
+            logger.warning("%s: ignoring unknown fields %s", type(self).__name__, unknown[:20])
         return self
 
 
@@ -90,7 +97,6 @@ class StreamOptions(StrictRequest):
 class SamplingRequest(StrictRequest):
     """The fields /v1/completions and /v1/chat/completions share."""
 
-    # field -> the values that mean "not used" (null is always accepted); anything else is a 400
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "use_beam_search": (False,), "guided_decoding_backend": ("auto", "xgrammar"),
         "length_penalty": (1.0, 1), "priority": (0,),  # beam search and priority scheduling are not served

@@ -18,6 +18,7 @@ from pagedrag.outputs import SpecDecodeCounts
 from pagedrag.spec_decode.config import SpeculativeConfig
 from pagedrag.spec_decode.ngram import NgramProposer
 from pagedrag.spec_decode.suffix import SuffixProposer
+from pagedrag.structured.compiler import GrammarCompiler
 from pagedrag.structured.masks import grammar_prefix
 
 
@@ -34,8 +35,9 @@ class Drafter:
     Invariant: ``limits`` and the proposer hold state only for requests that have not
     finished (``finish`` drops it)."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, grammars: GrammarCompiler | None = None):
         self.config = config
+        self.grammars = grammars  # of the engine's structured requests: which tokens no grammar takes
         self.proposer = make_proposer(config)
         self.limits: dict[str, int] = {}
         self.stats = SpecDecodeCounts()
@@ -47,7 +49,9 @@ class Drafter:
             return []
         limit = min(room, self.limits.get(request.request_id, self.config.num_speculative_tokens))
         draft = self.proposer.propose(request, limit) if limit > 0 else []
-        return grammar_prefix(request.grammar, draft) if request.grammar is not None and draft else draft
+        if request.grammar is None or not draft:
+            return draft
+        return grammar_prefix(request.grammar, draft, self.grammars.special_token_ids if self.grammars else frozenset())
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """A verified draft: count it (engine-wide and on the request) and adapt the limit."""

@@ -43,10 +43,19 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler = None
+        self._special_token_ids: frozenset[int] = frozenset()
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self.num_compiled = 0
         self.compile_seconds = 0.0
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Tokens no grammar of this compiler accepts: xgrammar refuses a special token, and
+        writes a warning to stderr for every one it is asked to accept (speculative drafts
+        copied from a chat transcript hold them)."""
+        self._xgrammar_compiler()
+        return self._special_token_ids
 
     def matcher(self, params: StructuredOutputsParams):
         import xgrammar
@@ -96,6 +105,7 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar
                 info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_token_ids)
+                self._special_token_ids = frozenset(info.special_token_ids)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
             return self._compiler
 

@@ -45,13 +45,15 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.flatten(1)[:, :vocab_size].bool()
 
 
-def grammar_prefix(matcher, draft: list[int]) -> list[int]:
+def grammar_prefix(matcher, draft: list[int], refused: frozenset[int] = frozenset()) -> list[int]:
     """The longest prefix of a speculative ``draft`` that ``matcher``'s grammar accepts and
     that leaves it unterminated (a terminated grammar has no mask for the row after).
-    The matcher is left as it was found."""
+    ``refused``: tokens the grammar never accepts, cut without asking it (the compiler's
+    ``special_token_ids``: xgrammar warns on stderr at each one). The matcher is left as it
+    was found."""
     fed = 0
     for token in draft:
-        if not matcher.accept_token(token):
+        if token in refused or not matcher.accept_token(token):
             break
         fed += 1
         if matcher.is_terminated():

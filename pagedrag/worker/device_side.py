@@ -8,6 +8,7 @@ same all-reduces) line up.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ from pagedrag.worker.cpu_threads import configure_cpu_threads
 from pagedrag.worker.cuda_graphs import GraphShape, verification_shapes
 from pagedrag.worker.kv_cache import CacheShape, KVCacheTensors, available_cpu_memory
 from pagedrag.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedrag")
 
 
 @dataclass
@@ -91,6 +94,10 @@ def _pool_blocks(args: EngineArgs, shape: CacheShape, device: torch.device, num_
         return shape.blocks_in(share)
     if device.type == "cuda":
         return shape.blocks_in(available * args.gpu_memory_utilization)
+    if args.gpu_memory_utilization != EngineArgs.gpu_memory_utilization:
+        logger.warning("gpu_memory_utilization=%s is a share of GPU memory and does not apply on CPU: the "
+                       "pool takes %d%% of available memory; kv_cache_memory_bytes sets its size",
+                       args.gpu_memory_utilization, round(DEFAULT_CPU_KV_FRACTION * 100))
     return shape.blocks_in(available * DEFAULT_CPU_KV_FRACTION)
 
 

@@ -135,8 +135,8 @@ def test_what_pagedrag_cannot_honour_is_refused(chat):
 
 def test_connection_settings_in_process_are_a_logged_warning(caplog):
     with caplog.at_level("WARNING", logger="pagedrag"):
-        ChatPagedRAG(engine_kwargs=VLLM_KWARGS, timeout=30.0, max_retries=1)
-    assert "timeout and max_retries not used" in caplog.text
+        ChatPagedRAG(engine_kwargs=VLLM_KWARGS, api_key="sk-x", timeout=30.0, max_retries=1)
+    assert "api_key, timeout, max_retries not used" in caplog.text
 
 
 def test_completion_model_logprobs_count_alternatives_as_vllm():

@@ -26,6 +26,7 @@ if "torch" not in sys.modules:
             del os.environ["GOMP_SPINCOUNT"]
 
 from pagedrag.config import EngineArgs  # noqa: E402  (after the OpenMP setting)
+from pagedrag.worker import fork_trial  # noqa: E402,F401  (a fork of this process knows its forking thread)
 from pagedrag.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pagedrag.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams  # noqa: E402
 from pagedrag.structured import GuidedDecodingParams, StructuredOutputsParams  # noqa: E402

@@ -7,9 +7,10 @@ from numbers import Integral, Real
 
 
 class InvalidUTF8(ValueError):
-    """Text that is not valid UTF-8; ``where`` names it (a field, or a path into one)."""
+    """Text that is not valid UTF-8; ``where`` names it (a field, or a path into one). Made
+    from a message alone too, as callers that prefix a ValueError's message remake it."""
 
-    def __init__(self, where: str, message: str):
+    def __init__(self, message: str, where: str = ""):
         super().__init__(message)
         self.where = where
 
@@ -20,8 +21,8 @@ def check_utf8(name: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise InvalidUTF8(name, f"{name} is not valid UTF-8 text: a lone surrogate "
-                                f"{text[error.start]!r} at character {error.start}") from None
+        raise InvalidUTF8(f"{name} is not valid UTF-8 text: a lone surrogate "
+                          f"{text[error.start]!r} at character {error.start}", where=name) from None
 
 
 def check_utf8_within(value: object, path: str) -> None:

@@ -188,6 +188,28 @@ def test_abort_frees_blocks(llm, path, async_scheduling):
     assert gen(llm, ids(3, 25), max_tokens=4).outputs[0].token_ids  # the engine goes on
 
 
+def _finished(engine, reason: str) -> float:
+    return sum(sample.value for family in engine.metrics.registry.collect() for sample in family.samples
+               if sample.name.endswith("request_success_total") and sample.labels["finished_reason"] == reason)
+
+
+def test_each_of_n_completions_ends_once_in_the_request_counter(llm):
+    """request_success{finished_reason}: an n=3 request counts 3 whether it finishes, is aborted
+    while its siblings are not forked yet, or after they are."""
+    engine = llm.llm_engine
+    done = _finished(engine, "length")
+    llm.generate({"prompt_token_ids": ids(0, 20)}, SamplingParams(n=3, max_tokens=2, temperature=1.0, seed=1),
+                 use_tqdm=False)
+    assert _finished(engine, "length") - done == 3
+    for steps in (0, 2):  # waiting (siblings pending), then forked and decoding
+        before = _finished(engine, "abort")
+        engine.add_request("n3", {"prompt_token_ids": ids(1, 20)}, SamplingParams(n=3, max_tokens=50, seed=1))
+        for _ in range(steps):
+            engine.step()
+        engine.abort_request("n3")
+        assert _finished(engine, "abort") - before == 3, steps
+
+
 def test_gpu_memory_utilization_on_cpu_is_a_logged_warning(path, caplog):
     """A vLLM user's gpu_memory_utilization has no meaning on CPU (the pool takes a share of
     available memory): said, not dropped in silence."""

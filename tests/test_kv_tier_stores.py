@@ -103,6 +103,14 @@ def test_room_is_made_before_a_block_is_published(tmp_path, monkeypatch):
     assert store.contains(_key(11)) and not store.contains(_key(0))
 
 
+def test_a_block_over_the_whole_budget_is_not_written_and_evicts_nothing(tmp_path):
+    one = len(disk_format.encode(_key(0), KEYSPACE, _block(0)))
+    DiskStore(tmp_path, 10 * one, KEYSPACE).put(_key(0), _block(0))  # another engine's block
+    small = DiskStore(tmp_path, one - 1, "cd" * 32)
+    assert not small.put(block_key("cd" * 32, bytes(32)), _block(1))
+    assert DiskStore(tmp_path, 10 * one, KEYSPACE).contains(_key(0))
+
+
 def test_the_budget_covers_every_keyspace_and_old_ones_age_out(tmp_path):
     """Engines of two checkpoints share one directory's budget: the one no engine writes any
     more is evicted first, and the directory never holds more than the budget."""

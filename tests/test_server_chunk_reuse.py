@@ -182,7 +182,7 @@ HOSTILE = [  # (path, body, the field the 400 names; None: the whole body's UTF-
     ("/v1/completions", {"prompt_segments": [{"text": "a", "extra": 1}]}, "prompt_segments"),
     ("/v1/completions", {"prompt_segments": ["x"] * 5000}, "prompt_segments"),
     ("/v1/completions", {"prompt_segments": ["word " * 300] * 4}, "prompt_segments"),  # over max_model_len
-    ("/v1/completions", {"prompt_segments": ["\ud800"]}, "prompt_segments[0]"),
+    ("/v1/completions", {"prompt_segments": ["\ud800"]}, "prompt_segments.0"),
     ("/v1/completions", {"prompt_segments": ["a"], "prompt": "b"}, "prompt_segments"),
     ("/v1/completions", {"prompt_segments": ["a"], "prompt_chunks": ["a"]}, "prompt_segments"),
     ("/v1/completions", {"prompt": None, "prompt_segments": None}, "prompt"),

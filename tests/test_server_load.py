@@ -150,5 +150,4 @@ def test_load_with_aborts(server, engine):
     # every request ends once, by stop, length or abort (a client gone mid-stream)
     assert grew("pagedrag:request_success_total") == NUM_REQUESTS
     assert grew("pagedrag:e2e_request_latency_seconds_count") == NUM_REQUESTS
-    aborted = _aborted(after) - _aborted(before)
-    assert aborted <= len(dropped) and NUM_REQUESTS - len(dropped) <= NUM_REQUESTS - aborted
+    assert _aborted(after) - _aborted(before) <= len(dropped)  # a dropped stream may have ended first

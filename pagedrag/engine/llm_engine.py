@@ -48,6 +48,13 @@ from pagedrag.worker.transfer import queued_work_done
 logger = logging.getLogger("pagedrag")
 
 
+def _stop_in_owner(ranks, owner_pid: int) -> None:
+    """Stop the rank workers, from the process that started them only: a forked child that
+    exits must not stop its parent's."""
+    if os.getpid() == owner_pid:
+        ranks.stop()
+
+
 class LLMEngine:
     """The synchronous engine. Not thread-safe: one thread calls add/abort/step."""
 
@@ -59,7 +66,7 @@ class LLMEngine:
         self.tiers = None  # built once the device side is (shutdown() may run before)
         self.ranks = start_ranks(args)  # one rank, or rank 0 of a tensor-parallel group
         # Stops the workers when the engine is dropped or the interpreter exits (no reference to self).
-        self._stop_ranks = weakref.finalize(self, self.ranks.stop)
+        self._stop_ranks = weakref.finalize(self, _stop_in_owner, self.ranks, os.getpid())
         try:
             side = build_device_side(args, self.ranks.group)
         except BaseException:
@@ -114,9 +121,16 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
 
+    def check_not_forked(self) -> None:
+        """EngineDeadError in a process forked from this engine's: its threads, rank workers
+        and tier writer stayed in the parent (recovery.check_not_forked)."""
+        check_not_forked(self._owner_pid)
+
     def shutdown(self) -> None:
         """Finish the KV tiers' writes; stop the tensor-parallel workers, if any (also done when
-        the engine is dropped)."""
+        the engine is dropped). Nothing in a forked child: they are its parent's."""
+        if os.getpid() != self._owner_pid:
+            return
         try:
             if self.tiers is not None:
                 self.tiers.close()
@@ -141,7 +155,7 @@ class LLMEngine:
                     params: SamplingParams | None = None, cache_salt: str | None = None) -> str:
         """Validate and queue a request; raises ValueError / TypeError (nothing queued) on bad
         input. A ProcessedPrompt (from ``inputs`` on another thread) is queued as it is."""
-        check_not_forked(self._owner_pid)
+        self.check_not_forked()
         params = params or self.default_params
         self.inputs.check_params(params)
         request_id = request_id if request_id is not None else str(next(self._request_counter))
@@ -174,11 +188,13 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
-        for seq in group.sequences:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
-                self.metrics.request_finished(RequestStatus.FINISHED_ABORTED.value, seq.metrics,
-                                              seq.num_output_tokens)
+        aborted = [seq for seq in group.sequences if not seq.is_finished]
+        for seq in aborted:
+            self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        first = group.sequences[0]
+        unforked = [first] * first.pending_forks  # n > 1 siblings not forked yet: each ends too
+        for seq in aborted + unforked:  # as each of the n ends once otherwise
+            self.metrics.request_finished(RequestStatus.FINISHED_ABORTED.value, seq.metrics, seq.num_output_tokens)
         self._observe_pool()
         output = group.to_output()
         output.finished = True
@@ -222,7 +238,7 @@ class LLMEngine:
         outputs come back finished, with ``error`` set. Raises EngineDeadError (or the device's
         error) only when the device or the model is broken.
         """
-        check_not_forked(self._owner_pid)
+        self.check_not_forked()
         probing = self.probation.head() if self.probation else None
         try:
             with nullcontext() if self.runner.threads is None else self.runner.threads.caller_threads_kept():

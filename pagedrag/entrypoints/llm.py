@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 from tqdm.auto import tqdm
 
@@ -38,11 +39,19 @@ class LLM:
         self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_kwargs))
         self._engine_lock = threading.RLock()  # held while a call adds requests and steps the engine
 
+    @contextmanager
+    def _engine_held(self) -> Iterator[None]:
+        """The engine, for this call alone. In a forked child it fails at once, before the lock
+        (a thread of the parent may have held it at the fork, and no thread here releases it)."""
+        self.llm_engine.check_not_forked()
+        with self._engine_lock:
+            yield
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
     def stats(self) -> dict:
-        with self._engine_lock:
+        with self._engine_held():
             return self.llm_engine.stats()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -51,7 +60,7 @@ class LLM:
         """Run every prompt to completion; outputs come back in the prompts' order."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts), self.llm_engine.default_params)
-        with self._engine_lock:
+        with self._engine_held():
             return self._run(self._add_all(prompts, params), use_tqdm)
 
     def chat(self, messages: Conversation | Sequence[Conversation],
@@ -68,7 +77,7 @@ class LLM:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params = _per_prompt(sampling_params, len(conversations), self.llm_engine.default_params)
-        with self._engine_lock:  # the engine's input processor is one thread's at a time
+        with self._engine_held():  # the engine's input processor is one thread's at a time
             inputs = self.llm_engine.inputs
             kwargs = {**(chat_template_kwargs or {}), "continue_final_message": continue_final_message,
                       "tools": inputs.plan_tools(tools, "none")}  # rendered, never parsed
@@ -82,7 +91,7 @@ class LLM:
     def apply_chat_template(self, conversation: Conversation, add_generation_prompt: bool = True,
                             **kwargs) -> dict:
         """A prompt dict (text and token ids) for one conversation."""
-        with self._engine_lock:
+        with self._engine_held():
             prompt = self.llm_engine.inputs.render_chat(conversation, add_generation_prompt, **kwargs)
         return {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
 
@@ -100,7 +109,7 @@ class LLM:
 
         The answer is one token per prompt, sampled greedily and thrown away: the prompt's last
         token is computed anyway, as for every request, so the cost is one sampling step."""
-        with self._engine_lock:
+        with self._engine_held():
             outputs = self.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm)
             self.llm_engine.flush_tiers()
         return {"prompts": len(outputs), "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
@@ -109,7 +118,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (for measurements that start cold). True, as vLLM's answers
         on success: here it always succeeds (blocks still in use keep their data, not their hash)."""
-        with self._engine_lock:
+        with self._engine_held():
             self.llm_engine.reset_prefix_cache()
         return True
 

@@ -160,6 +160,8 @@ class DiskStore:
             _touch(path)
             return False
         data = disk_format.encode(key, self.keyspace, block)
+        if len(data) > self.capacity_bytes:  # the budget cannot hold it (build refuses such a tier)
+            return False
         try:
             self._make_shard(path.parent)
             with _temporary_copy(path, data) as temporary:
@@ -212,7 +214,7 @@ class DiskStore:
         mark less ``room_for`` bytes is reached; returns the bytes left, recounted."""
         files = sorted(self._files(), key=_mtime)
         used = sum(_size(entry) for entry in files)
-        target = self.capacity_bytes * _LOW_WATER - room_for
+        target = max(self.capacity_bytes * _LOW_WATER - room_for, 0)
         for entry in files:
             if used <= target:
                 break

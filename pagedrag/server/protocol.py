@@ -33,6 +33,7 @@ chunk figures are 0.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
@@ -68,8 +69,9 @@ class StrictRequest(BaseModel):
     def _utf8_only(cls, data: Any) -> Any:
         try:
             check_utf8_within(data, cls.__name__)
-        except InvalidUTF8 as error:  # the error's param: the field's path in the body
-            raise ParameterError(error.where.removeprefix(f"{cls.__name__}."), str(error)) from None
+        except InvalidUTF8 as error:  # the error's param: the field's path in the body, as pydantic's
+            where = error.where.removeprefix("a key of ").removeprefix(cls.__name__).removeprefix(".")
+            raise ParameterError(re.sub(r"\[(\d+)\]", r".\1", where) or "body", str(error)) from None
         return data
 
     @model_validator(mode="after")

@@ -54,7 +54,8 @@ class GrammarCompiler:
         """Tokens no grammar of this compiler accepts: xgrammar refuses a special token, and
         writes a warning to stderr for every one it is asked to accept (speculative drafts
         copied from a chat transcript hold them)."""
-        self._xgrammar_compiler()
+        if self._compiler is None:
+            self._xgrammar_compiler()
         return self._special_token_ids
 
     def matcher(self, params: StructuredOutputsParams):

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
 
 import torch
 
-from pagedrag.worker.fork_trial import exit_code_in_a_fork
+from pagedrag.worker.fork_trial import HUNG, UNKNOWN, exit_code_in_a_fork, on_the_forking_thread
 from pagedrag.worker.thread_tuner import ThreadTuner
 
 logger = logging.getLogger("pagedrag")
@@ -38,32 +37,21 @@ def _siblings(cpu: int) -> str:
         return str(cpu)
 
 
-_forking_thread: int | None = None  # in a forked process: the thread that forked (its copy)
+def threads_start_in_a_fork(threads: int, timeout_s: float = 2.0) -> int:
+    """How a trial of ``threads`` OpenMP threads started from this thread ends in a fork of this
+    process: 0 where they ran, else fork_trial's HUNG, UNKNOWN or an exit code.
 
-
-def _note_fork() -> None:
-    global _forking_thread
-    _forking_thread = threading.get_ident()
-
-
-os.register_at_fork(after_in_child=_note_fork)
-
-
-def threads_start_in_a_fork(threads: int, timeout_s: float = 2.0) -> bool:
-    """Whether torch runs ``threads`` OpenMP threads from this thread in a fork of this process.
-
-    GNU OpenMP (torch's CPU build) cannot from the copy of a thread that had run a parallel
-    region before the fork: its first region of more than one thread never returns (a
-    gunicorn --preload or Celery prefork worker whose parent had embedded documents). Other
-    threads, and new ones, start theirs. Tried in a fork, killed after ``timeout_s``, so a
-    hang costs that fork alone. In a process forked by this thread, and that has not run
-    torch on this thread since, the answer holds for the process itself."""
+    GNU OpenMP (torch's CPU build) cannot start them from the copy of a thread that had run a
+    parallel region before the fork: that region never returns (a gunicorn --preload or Celery
+    prefork worker whose parent had embedded documents). Other threads, and new ones, start
+    theirs. In a process forked by this thread, and that has not run torch on it since, the
+    answer holds for the process itself."""
     def trial() -> int:
         torch.set_num_threads(threads)
         torch.ones(1 << 20).cos_()  # far above ATen's grain size: a parallel region
         return 0
 
-    return exit_code_in_a_fork(trial, timeout_s) == 0
+    return exit_code_in_a_fork(trial, timeout_s)
 
 
 def configure_cpu_threads(requested: int | None, processes: int = 1) -> ThreadTuner | None:
@@ -71,16 +59,20 @@ def configure_cpu_threads(requested: int | None, processes: int = 1) -> ThreadTu
     the physical cores (``processes`` tensor-parallel ranks share them). Returns the tuner
     that adjusts the count step by step: only by default and in a process of its own (ranks
     of one step wait on each other, so one rank's timing says little about its threads).
-    On the forking thread of a forked process, where OpenMP may not start threads
-    (``threads_start_in_a_fork``), one thread, with a warning (also where this thread has run
-    torch since the fork, which makes the trial fail: one thread is the safe side)."""
+    Called on the forking thread of a forked process, where OpenMP may not start threads
+    (``threads_start_in_a_fork``), it sets one thread, for the whole process, with a warning;
+    so also where this thread ran torch since the fork (the trial fails then too): one thread
+    is the safe side."""
     threads = requested if requested is not None else max(physical_cores_available() // processes, 1)
-    if threads > 1 and _forking_thread == threading.get_ident() and not threads_start_in_a_fork(threads):
-        logger.warning("CPU compute threads: 1, not %d%s: this process was forked from one that had run "
-                       "torch on several threads, and OpenMP cannot start threads in such a fork (they "
-                       "would hang). Start engine processes with the 'spawn' method, or load the app "
-                       "after forking (gunicorn without --preload), to use more.",
-                       threads, " (cpu_threads)" if requested is not None else "")
+    trial = threads_start_in_a_fork(threads) if threads > 1 and on_the_forking_thread() else 0
+    if trial != 0:
+        outcome = "hung" if trial == HUNG else "could not be read" if trial == UNKNOWN else f"exited {trial}"
+        logger.warning("CPU compute threads: 1, not %d%s: this process is a fork, and a trial of %d OpenMP "
+                       "threads from this thread %s (GNU OpenMP cannot start threads from the copy of a "
+                       "thread that ran torch on several before the fork: they hang). Start engine "
+                       "processes with the 'spawn' method, or load the app after forking (gunicorn "
+                       "without --preload), to use more.",
+                       threads, " (cpu_threads)" if requested is not None else "", threads, outcome)
         requested = threads = 1
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedrag.worker.transfer import host_to_device
+from pagedrag.worker.transfer import host_to_device, tensor_to_device
 
 
 def fill_masks(matchers: list, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -29,13 +29,7 @@ def fill_masks(matchers: list, vocab_size: int, device: torch.device) -> tuple[t
     bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab_size)
     for index, row in enumerate(rows):
         matchers[row].fill_next_token_bitmask(bitmask, index)
-    return host_to_device(rows, torch.long, device), _to_device(bitmask, device)
-
-
-def _to_device(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return bitmask
-    return bitmask.pin_memory().to(device, non_blocking=True)
+    return host_to_device(rows, torch.long, device), tensor_to_device(bitmask, device)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -90,4 +84,4 @@ def fill_draft_masks(matchers: list, drafts: list[list[int]], vocab_size: int, d
                 raise ValueError(f"drafted token {draft[j]} does not fit the grammar: the draft was not cut")
         if draft:
             matcher.rollback(len(draft))
-    return host_to_device(rows, torch.long, device), _to_device(bitmask, device)
+    return host_to_device(rows, torch.long, device), tensor_to_device(bitmask, device)

@@ -262,6 +262,8 @@ HOSTILE_CASES = (
     HostileCase("chat_role=custom", CHAT, _chat(role="wizard"), frozenset({200})),  # the template's, as vLLM
     HostileCase("chat_role=empty", CHAT, _chat(role=""), BAD),
     HostileCase("chat_echo=true", CHAT, _chat(echo=True), BAD),
+    HostileCase("echo=false", COMPLETIONS, _hello(echo=False), frozenset({200})),  # the openai SDK's default
+    HostileCase("lone_surrogate_key", COMPLETIONS, _hello(logit_bias={"\ud800": 1.0}), BAD),
     HostileCase("allowed_token_ids=empty", COMPLETIONS, _hello(allowed_token_ids=[]), BAD),
     HostileCase("priority=5", COMPLETIONS, _hello(priority=5), BAD),
     HostileCase("grammar=accepts_nothing", CHAT, _chat(structured_outputs={"grammar": "root ::= root"}), BAD),

@@ -36,8 +36,10 @@ import torch
 
 from bench_gpu import llama3_config, rag_prompts, timed
 from pagedrag import LLM, SamplingParams
+from pagedrag.engine import pipelined_drafting
 from pagedrag.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 from pagedrag.worker import model_runner
+from pagedrag.worker.pipelined_verification import DeviceDraftRows
 from pagedrag.worker.sampler import Sample
 
 PROFILES = {"prompt and output (3.02 tokens a step)": 0.68, "prompt only (1.30 tokens a step)": 0.23}
@@ -80,13 +82,62 @@ class ReplayProposer:
         self.planned.pop(request.request_id, None)
 
 
+class ReplayRows(DeviceDraftRows):
+    """Benchmark only: pipelined drafting's device rows (worker.pipelined_verification) with
+    ReplayProposer's drafts and forced acceptance, all on the device. A row drafts its recorded
+    continuation, each position right with probability ``p`` (the first wrong one ends what is
+    accepted) or exactly ``fixed_k`` right; its target tokens are the recorded ones, so the
+    verification accepts exactly the right ones (the forward pass still runs: its cost is paid)."""
+
+    recorded: dict[tuple, list[int]] = {}
+    p: float = 1.0
+    fixed_k: int | None = None
+
+    def __init__(self, runner, token_ids: list[list[int]], capacity: int, *args, **kwargs):
+        full = [self._recorded_sequence(tokens) for tokens in token_ids]
+        self.full = torch.tensor([seq + [0] * (capacity - len(seq)) for seq in full], device=runner.device)
+        super().__init__(runner, token_ids, capacity, *args, **kwargs)
+
+    def _recorded_sequence(self, tokens: list[int]) -> list[int]:
+        prompt = max((key for key in self.recorded if tuple(tokens[:len(key)]) == key), key=len)
+        return list(prompt) + self.recorded[prompt]
+
+    def _truth(self, span: int) -> torch.Tensor:
+        columns = self.lengths.unsqueeze(1) + torch.arange(span, device=self.device).unsqueeze(0)
+        return self.full.gather(1, columns.clamp(max=self.full.shape[1] - 1))
+
+    def _draft(self, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        truth = self._truth(self.max_draft)
+        rows = truth.shape[0]
+        if self.fixed_k is not None:
+            return truth, torch.full((rows,), self.fixed_k, device=self.device)
+        right = (torch.rand(rows, self.max_draft, device=self.device) < self.p).long().cumprod(dim=1).sum(dim=1)
+        wrong = torch.arange(self.max_draft, device=self.device).unsqueeze(0) == right.unsqueeze(1)
+        return torch.where(wrong, (truth + 1) % 128000, truth), torch.full((rows,), self.max_draft, device=self.device)
+
+    def _targets(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        span = logits.shape[0] // self.lengths.shape[0]
+        return self._truth(span).flatten(), logits.new_zeros(logits.shape[0])
+
+
+class PinnedLimits(dict):
+    """Benchmark only: every request's draft limit reads ``k`` (the pipelined steps' width)."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k = k
+
+    def get(self, key, default=None):
+        return self.k
+
+
 def force_acceptance(proposer: ReplayProposer):
     """Benchmark only: after the engine's verification has run, each row emits the drafted
     tokens its proposer marked right and one token more; returns the function that undoes it."""
     real = model_runner.verify
 
-    def verify(logits, rows, eos_token_id):
-        results = real(logits, rows, eos_token_id)
+    def verify(logits, rows, *args):
+        results = real(logits, rows, *args)
         for result, row in zip(results, rows):
             right = proposer.planned.get(row.request.request_id, 0)
             after = row.draft[right] if right < len(row.draft) else result.samples[-1].token_id
@@ -129,6 +180,7 @@ def report(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
     recorded[tuple(cached)] = generate([cached], off)[0].outputs[0].token_ids  # batch 1 rounds otherwise
     proposer = ReplayProposer(recorded)
     engine.drafter.proposer = proposer
+    pipeline, engine.pipeline = engine.pipeline, None  # until pipelined_report: verified synchronously, drafted on the host
 
     def batch1(params, repeats=3) -> tuple[float, int, list[int]]:
         """Median ms per output token after the first, the steps after the first token (each
@@ -188,6 +240,43 @@ def report(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
             rate = statistics.median(len(prompts) * tokens / timed(lambda: generate(prompts, on)) for _ in range(2))
             print(f"| {name}, disable_by_batch_size={gate} | {rate:.0f} | {rate / workload:.2f}x |")
     undo()
+    engine.drafter.config = dataclasses.replace(engine.drafter.config, disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE)
+    engine.pipeline = pipeline
+    pipelined_report(llm, prompts, tokens, recorded, base_ms, base_tokens, workload, generate, batch1)
+
+
+def pipelined_report(llm, prompts, tokens, recorded, base_ms, base_tokens, workload, generate, batch1) -> None:
+    """The same figures with pipelined drafting (engine.pipelined_drafting): drafts and
+    verification on the device, each step launched before the previous one is read."""
+    engine = llm.llm_engine
+    on = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    unforced = generate([prompts[0]], on)[0].outputs[0].token_ids
+    print(f"\nPipelined drafting (device n-gram lookup on the random model's own output, unforced): "
+          f"{agreement(unforced, base_tokens)} of {len(base_tokens)} tokens equal to decoding without speculation.\n")
+    ReplayRows.recorded = recorded
+    real_rows, pipelined_drafting.DeviceDraftRows = pipelined_drafting.DeviceDraftRows, ReplayRows
+    real_limits = engine.drafter.limits
+    print("| pipelined, drafted tokens k (all accepted) | ms a step | vs an asynchronous decode step |\n|---|---|---|")
+    for k in STEP_KS:
+        ReplayRows.fixed_k, engine.drafter.limits = k, PinnedLimits(k)
+        ms, steps, _ = batch1(on)
+        step_ms = ms * (tokens - 1) / steps
+        print(f"| {k} | {step_ms:.2f} | {step_ms / base_ms:.2f}x |")
+    ReplayRows.fixed_k, engine.drafter.limits = None, real_limits
+    print("\n| pipelined, profile (replayed on the device, acceptance forced) | tokens a step | ms a token | "
+          "vs without |\n|---|---|---|---|")
+    for name, p in PROFILES.items():
+        ReplayRows.p = p
+        before = engine.drafter.stats.num_drafts, engine.drafter.stats.num_accepted_tokens
+        ms, _, _ = batch1(on)
+        drafts = engine.drafter.stats.num_drafts - before[0]
+        accepted = engine.drafter.stats.num_accepted_tokens - before[1]
+        print(f"| {name} | {1 + accepted / max(drafts, 1):.2f} | {ms:.2f} | {base_ms / ms:.2f}x |")
+    for name, p in PROFILES.items():
+        ReplayRows.p = p
+        rate = statistics.median(len(prompts) * tokens / timed(lambda: generate(prompts, on)) for _ in range(2))
+        print(f"| 32-request workload, {name}, default gate | {rate:.0f} tok/s | | {rate / workload:.2f}x |")
+    pipelined_drafting.DeviceDraftRows = real_rows
 
 
 if __name__ == "__main__":

@@ -282,7 +282,9 @@ def test_rejected_drafts_cost_the_prefix_cache_nothing(tiny, async_scheduling):
     evicted: after a long drafted answer in a tight pool, an earlier prompt finds as much of its
     prefix cached, at as many evictions, as it does without speculative decoding. Asynchronous
     scheduling (CUDA's default) too: there the answer's last full block, whose last token is read
-    after the step, is cached when the request ends, as a synchronous step caches it."""
+    after the step, is cached when the request ends, as a synchronous step caches it; pipelined
+    ngram (engine.pipelined_drafting) reserves its lookahead slots one step ahead, which costs
+    at most that many least recently used cached blocks in a full pool."""
     path, _ = tiny
     first = list(range(10, 50))
     long_answer = repeating_prompts()[2][:21]
@@ -293,7 +295,14 @@ def test_rejected_drafts_cost_the_prefix_cache_nothing(tiny, async_scheduling):
         generate(llm, [first], max_tokens=1)
         generate(llm, [long_answer], max_tokens=60, ignore_eos=True)
         cached[name] = (generate(llm, [first], max_tokens=1)[0].num_cached_tokens, llm.stats()["num_evicted_blocks"])
-    assert cached["ngram"] == cached["suffix"] == cached["off"], cached
+        if llm.llm_engine.pipeline is not None:
+            lookahead = llm.llm_engine.pipeline.reach // 2  # in blocks of 2 tokens
+    assert cached["suffix"] == cached["off"], cached
+    if not async_scheduling:
+        assert cached["ngram"] == cached["off"], cached
+    else:  # pipelined ngram reserves its lookahead slots a step early: at most that many evictions
+        assert cached["off"][1] < cached["ngram"][1] <= cached["off"][1] + lookahead, cached
+        assert cached["ngram"][0] >= cached["off"][0] - 2 * lookahead, cached
 
 
 @pytest.mark.parametrize("config, name", [

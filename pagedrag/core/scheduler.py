@@ -173,12 +173,14 @@ class Scheduler:
             except Exception as error:
                 on_error(item.request, error)
 
-    def accept_drafts(self, request: Request, num_accepted: int) -> None:
+    def accept_drafts(self, request: Request, num_accepted: int, keep_slots: bool = False) -> None:
         """After verification, the request's tokens (the accepted drafted ones and the one
         sampled after them) are appended: the accepted ones' KV is kept and cached, and the
-        blocks that only held rejected ones are freed (their slots are written again later)."""
+        blocks that only held rejected ones are freed (their slots are written again later),
+        unless ``keep_slots`` (a pipelined step in flight writes there: engine.pipelined_drafting)."""
         request.num_computed_tokens += num_accepted
-        self.kv.release_unused(request)
+        if not keep_slots:
+            self.kv.release_unused(request)
         self.kv.cache_blocks(request)
 
     def _scheduled(self, request: Request, num_new_tokens: int, plan: ChunkPlan | None = None,

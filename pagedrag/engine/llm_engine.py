@@ -26,7 +26,7 @@ import torch
 from pagedrag.config import EngineArgs
 from pagedrag.distributed.launch import start_ranks
 from pagedrag.core.kv_cache_manager import KVCacheManager
-from pagedrag.core.scheduler import Scheduler, SchedulerOutput
+from pagedrag.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from pagedrag.engine.inputs import InputProcessor, ProcessedPrompt, PromptType, ToolSettings
 from pagedrag.metrics import EngineMetrics
 from pagedrag.engine.stats_log import StatsLog
@@ -37,10 +37,12 @@ from pagedrag.engine.recovery import EngineDeadError, Probation, check_not_forke
 from pagedrag.kv_tiers.build import build_tiers
 from pagedrag.core.request import Request, RequestStatus
 from pagedrag.sampling_params import SamplingParams
+from pagedrag.engine.pipelined_drafting import PipelinedDrafting
 from pagedrag.spec_decode.drafter import Drafter
 from pagedrag.worker.device_side import build_device_side
 from pagedrag.worker.kv_cache import log_pool
 from pagedrag.worker.model_runner import InflightTokens, SamplingRow
+from pagedrag.worker.pipelined_verification import RowResult
 from pagedrag.worker.rejection_sampler import Verified, VerifyRow
 from pagedrag.worker.sampler import Sample
 from pagedrag.worker.transfer import queued_work_done
@@ -106,6 +108,10 @@ class LLMEngine:
                                    self.drafter)
         self.runner = side.runner
         self.async_scheduling = args.resolved_async_scheduling(self.device)
+        self.pipeline = PipelinedDrafting(self.drafter, self.runner, self.kv, self.max_model_len,
+                                          self.scheduler.max_num_batched_tokens, args.logprobs_mode) \
+            if (self.async_scheduling and speculative is not None and speculative.method == "ngram"
+                and self.runner.group.size == 1) else None
         self._inflight: InflightTokens | None = None  # the last step's tokens, not yet read
         self.probation = Probation()
         self._suspects: set[str] = set()  # groups the running step touched (see recovery)
@@ -232,7 +238,9 @@ class LLMEngine:
         overlaps the device's work. Outputs then arrive one step late, and a request that
         stops computes one token more, which is dropped. Without it (the default on CPU,
         where nothing would overlap) each step returns its own tokens; with speculative
-        decoding, so does each step after which a request may draft.
+        decoding, so does each step after which a request may draft, unless every running
+        request drafts and verifies on the device (engine.pipelined_drafting): then the step
+        launches its verification first and reads the previous one's after.
 
         A step that raises fails only the requests it traces to (pagedrag.engine.recovery): their
         outputs come back finished, with ``error`` set. Raises EngineDeadError (or the device's
@@ -244,8 +252,10 @@ class LLMEngine:
             with nullcontext() if self.runner.threads is None else self.runner.threads.caller_threads_kept():
                 if probing is not None:
                     outputs = self._probe(probing)
+                elif self.pipeline is not None and self.pipeline.continues(self.scheduler, self._inflight is not None):
+                    outputs = self._pipelined_step()
                 else:
-                    outputs = self._run_step(self.scheduler.schedule, self.async_scheduling)
+                    outputs = self._run_step(self.scheduler.schedule, self.async_scheduling, self._drain_pipeline())
         except Exception as error:
             outputs = self._recover(error, probing)
         else:
@@ -253,9 +263,10 @@ class LLMEngine:
         failed, self._failed_outputs = self._failed_outputs, []
         return failed + outputs
 
-    def _run_step(self, schedule, asynchronous: bool) -> list[RequestOutput]:
+    def _run_step(self, schedule, asynchronous: bool, touched: set[str] = frozenset()) -> list[RequestOutput]:
         """schedule -> run -> update. The previous step's tokens are read only after this
-        step's forward pass is launched, and before it samples: sampling depends on them."""
+        step's forward pass is launched, and before it samples: sampling depends on them.
+        ``touched``: groups that moved before the step (a drained pipeline), output with its own."""
         previous, self._inflight = self._inflight, None
         self._suspects = {seq.group_id for seq in previous.requests} if previous else set()
         started = time.perf_counter()
@@ -267,7 +278,7 @@ class LLMEngine:
         self._offer_to_tiers(step, time.perf_counter() - started)
         for request, first_token, samples in logits.prompt:
             record_prompt_logprobs(request, first_token, samples, self._token_text(request))
-        touched = self._complete(previous) if previous else set()
+        touched = set(touched) | (self._complete(previous) if previous else set())
         plan, verifying = self._sampling_plan(step)
         sampled = self.runner.sample(logits.sampling, plan)
         touched |= self._complete_verified(self.runner.verify(logits.sampling, verifying))
@@ -277,6 +288,36 @@ class LLMEngine:
             self._inflight = sampled
         self._observe(step)
         return [self._output(group_id) for group_id in touched if group_id in self.groups]
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Launch the pipeline's next verification, then emit the one before it (see
+        engine.pipelined_drafting); an ordinary step where the pool is short of slots."""
+        started = time.perf_counter()
+        self._suspects = {request.group_id for request in self.scheduler.running}
+        results = self.pipeline.launch(self.scheduler)
+        if results is None:
+            return self._run_step(self.scheduler.schedule, self.async_scheduling, self._drain_pipeline())
+        touched = self._complete_pipelined(results, keep_slots=True)
+        self._offer_to_tiers(SchedulerOutput(), time.perf_counter() - started)
+        self._observe(SchedulerOutput())
+        return [self._output(group_id) for group_id in touched if group_id in self.groups]
+
+    def _drain_pipeline(self) -> set[str]:
+        """End pipelining: emit the step in flight; returns the groups that moved."""
+        return set() if self.pipeline is None else self._complete_pipelined(self.pipeline.drain(), keep_slots=False)
+
+    def _complete_pipelined(self, results: list[tuple[Request, RowResult]], keep_slots: bool) -> set[str]:
+        """A pipelined step's results, for the requests still running: the step computed each
+        one's last token (as ``update_after_step`` records), then its verification emits, up to
+        what max_tokens leaves (a pipelined draft may run past it: what lies past is not counted
+        as accepted)."""
+        live = [(request, result) for request, result in results if not request.is_finished]
+        self.scheduler.update_after_step(SchedulerOutput([ScheduledRequest(r, 1, []) for r, _ in live]),
+                                         self._fail_request)
+        return self._complete_verified([Verified(request, result.num_drafted, [
+            Sample(token, logprob, 0, {}) for token, logprob in
+            zip(result.token_ids[:_room(request)], result.logprobs)])
+            for request, result in live if not request.is_finished], keep_slots)
 
     def _leaves_tokens_in_flight(self) -> bool:
         """Whether an asynchronous step may leave its tokens on the device: always without
@@ -321,6 +362,8 @@ class LLMEngine:
             raise EngineDeadError(f"the device failed during a step: {error!r}") from error
         self.probation.record(failed=True)
         self._inflight = None  # its tokens belong to suspects, which start over
+        if self.pipeline is not None:
+            self.pipeline.reset()
         suspects = [g for g in self._suspects if g in self.groups] or list(self.groups)
         if probing is not None:
             self.probation.release_head()
@@ -400,10 +443,11 @@ class LLMEngine:
             moved.add(seq.group_id)
         return moved
 
-    def _complete_verified(self, results: list[Verified]) -> set[str]:
+    def _complete_verified(self, results: list[Verified], keep_slots: bool = False) -> set[str]:
         """Emit each verified request's tokens in order until one ends it (a stop, EOS or
         max_tokens inside the accepted run drops the rest); a request that goes on keeps its
-        accepted tokens' KV (Scheduler.accept_drafts). Returns the groups that moved."""
+        accepted tokens' KV (Scheduler.accept_drafts; ``keep_slots``: a pipelined step still
+        writes past them). Returns the groups that moved."""
         moved = set()
         for result in results:
             seq = result.request
@@ -414,7 +458,7 @@ class LLMEngine:
                     if seq.is_finished:
                         break
                 else:
-                    self.scheduler.accept_drafts(seq, result.num_accepted)
+                    self.scheduler.accept_drafts(seq, result.num_accepted, keep_slots)
             except Exception as error:
                 self._fail_request(seq, error)
             moved.add(seq.group_id)
@@ -504,6 +548,12 @@ class LLMEngine:
             "generation_tokens": self.metrics.num_generation_tokens,
             "device": str(self.device),
         }
+
+
+def _room(request: Request) -> int | None:
+    """The output tokens the request may still emit (None: no max_tokens)."""
+    max_tokens = request.params.max_tokens
+    return None if max_tokens is None else max(max_tokens - request.num_output_tokens, 1)
 
 
 def _advance_grammar(seq: Request) -> RequestStatus | None:

@@ -54,7 +54,10 @@ class Drafter:
         return grammar_prefix(request.grammar, draft, self.grammars.special_token_ids if self.grammars else frozenset())
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """A verified draft: count it (engine-wide and on the request) and adapt the limit."""
+        """A verified draft: count it (engine-wide and on the request) and adapt the limit. A
+        pipelined step verifies every row, also one whose lookup found nothing: no draft."""
+        if num_drafted == 0:
+            return
         self.stats.record(num_drafted, num_accepted)
         if request.spec_decode is None:
             request.spec_decode = SpecDecodeCounts()

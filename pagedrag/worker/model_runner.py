@@ -372,18 +372,28 @@ class ModelRunner:
         if plan.layout is None:
             return torch.empty(0, device=self.device), None
         inputs = self.to_device(plan.layout, inflight)
-        shape = None if self.graphs is None else self.graphs.shape_for(
-            inputs.meta.context_lens.shape[0], inputs.input_ids.shape[0], inputs.meta.decode_only)
-        with nullcontext() if self.threads is None else self.threads.step(inputs.input_ids.shape[0]):
-            if shape is not None:
-                hidden = self.graphs.run(shape, inputs.input_ids, inputs.positions, inputs.meta)
-            else:
-                hidden = self.model(inputs.input_ids, inputs.positions, self.cache.device_layers, inputs.meta)
+        with self.step_threads(inputs.input_ids.shape[0]):
+            hidden = self.hidden_states(inputs.input_ids, inputs.positions, inputs.meta)
             self._move_kv(plan.exports)
             sampling = self.model.compute_logits(hidden[inputs.logits_indices], self.ops)
             prompt = self.model.compute_logits(hidden[inputs.prompt_rows], self.ops) if plan.layout.prompt_rows \
                 else None
         return sampling, prompt
+
+    def step_threads(self, num_tokens: int):
+        """The CPU thread count for a step of ``num_tokens`` tokens (worker.thread_tuner), for
+        the duration of the with block; nothing elsewhere."""
+        return nullcontext() if self.threads is None else self.threads.step(num_tokens)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                      ) -> torch.Tensor:
+        """The forward pass over a step's tokens, from device tensors: a captured graph when
+        one fits, else eagerly."""
+        shape = None if self.graphs is None else self.graphs.shape_for(
+            meta.context_lens.shape[0], input_ids.shape[0], meta.decode_only)
+        if shape is not None:
+            return self.graphs.run(shape, input_ids, positions, meta)
+        return self.model(input_ids, positions, self.cache.device_layers, meta)
 
     def _pick_recomputed(self, step: SchedulerOutput) -> None:
         """Add to each run list the tokens of imported chunks to compute again."""

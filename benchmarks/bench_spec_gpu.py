@@ -148,6 +148,15 @@ def force_acceptance(proposer: ReplayProposer):
     return lambda: setattr(model_runner, "verify", real)
 
 
+def profile_arm(engine, run) -> tuple[float, float]:
+    """(ms a token, tokens a drafting step) of ``run()``, a batch-1 generation at a profile."""
+    before = engine.drafter.stats.num_drafts, engine.drafter.stats.num_accepted_tokens
+    ms, _, _ = run()
+    drafts = engine.drafter.stats.num_drafts - before[0]
+    accepted = engine.drafter.stats.num_accepted_tokens - before[1]
+    return ms, 1 + accepted / max(drafts, 1)
+
+
 def agreement(tokens: list[int], reference: list[int]) -> int:
     """How many tokens ``tokens`` shares with ``reference`` before the first difference."""
     return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
@@ -223,12 +232,8 @@ def report(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
     print(f"| without drafting | 1 / 1 | {base_ms:.2f} | 1.00x |")
     for name, p in PROFILES.items():
         proposer.p = p
-        before = engine.drafter.stats.num_drafts, engine.drafter.stats.num_accepted_tokens
-        ms, _, _ = batch1(on)
-        drafts = engine.drafter.stats.num_drafts - before[0]
-        accepted = engine.drafter.stats.num_accepted_tokens - before[1]
-        print(f"| {name} | {expected_tokens_per_step(p):.2f} / {1 + accepted / max(drafts, 1):.2f} | {ms:.2f} | "
-              f"{base_ms / ms:.2f}x |")
+        ms, per_step = profile_arm(engine, lambda: batch1(on))
+        print(f"| {name} | {expected_tokens_per_step(p):.2f} / {per_step:.2f} | {ms:.2f} | {base_ms / ms:.2f}x |")
 
     print("\n| 32-request RAG workload (acceptance forced) | output tok/s | vs without |\n|---|---|---|")
     workload = statistics.median(len(prompts) * tokens / timed(lambda: generate(prompts, off)) for _ in range(2))
@@ -267,11 +272,8 @@ def pipelined_report(llm, prompts, tokens, recorded, base_ms, base_tokens, workl
           "vs without |\n|---|---|---|---|")
     for name, p in PROFILES.items():
         ReplayRows.p = p
-        before = engine.drafter.stats.num_drafts, engine.drafter.stats.num_accepted_tokens
-        ms, _, _ = batch1(on)
-        drafts = engine.drafter.stats.num_drafts - before[0]
-        accepted = engine.drafter.stats.num_accepted_tokens - before[1]
-        print(f"| {name} | {1 + accepted / max(drafts, 1):.2f} | {ms:.2f} | {base_ms / ms:.2f}x |")
+        ms, per_step = profile_arm(engine, lambda: batch1(on))
+        print(f"| {name} | {per_step:.2f} | {ms:.2f} | {base_ms / ms:.2f}x |")
     for name, p in PROFILES.items():
         ReplayRows.p = p
         rate = statistics.median(len(prompts) * tokens / timed(lambda: generate(prompts, on)) for _ in range(2))

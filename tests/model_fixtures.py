@@ -87,3 +87,17 @@ def _perturb_vectors(model: torch.nn.Module) -> None:
         for param in model.parameters():
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
+
+
+def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """HF transformers' greedy ``generate`` of each prompt (fp32): the reference the engine's
+    greedy output must equal token for token."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                 do_sample=False, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs

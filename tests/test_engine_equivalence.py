@@ -7,10 +7,9 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pagedrag import LLM, SamplingParams
-from model_fixtures import make_tiny_model
+from model_fixtures import hf_greedy, make_tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 MAX_NEW = 12
@@ -22,26 +21,13 @@ def prompts_of(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def hf_greedy(path, prompts, max_new=MAX_NEW) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
-    model.eval()
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                 do_sample=False, pad_token_id=0)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(path).vocab_size
     prompts = prompts_of(vocab)
-    return path, prompts, hf_greedy(path, prompts)
+    return path, prompts, hf_greedy(path, prompts, MAX_NEW)
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["sync", "async"])

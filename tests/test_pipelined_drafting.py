@@ -7,9 +7,8 @@ device lookup finds what the host's NgramIndex finds."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from transformers import AutoModelForCausalLM
 
-from model_fixtures import make_tiny_model
+from model_fixtures import hf_greedy, make_tiny_model
 from pagedrag import LLM, SamplingParams
 from pagedrag.spec_decode.device_ngram import ngram_drafts
 from pagedrag.spec_decode.ngram import NgramIndex
@@ -28,14 +27,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("pipelined"), "llama")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    references = []
-    with torch.no_grad():
-        for prompt in prompts():
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                 do_sample=False, pad_token_id=0)
-            references.append(out[0, len(prompt):].tolist())
+    references = hf_greedy(path, prompts(), MAX_NEW)
     return path, references
 
 
@@ -114,7 +106,7 @@ def test_abort_and_arrival_mid_pipeline(tiny, engines):
     finals = {}
     for _ in range(6):
         finals.update((o.request_id, o) for o in engine.step() if o.finished)
-    assert engine.pipeline.rows is not None  # pipelined when the abort comes
+    assert engine.pipeline.active  # pipelined when the abort comes
     aborted = engine.abort_request("b")
     engine.add_request("c", {"prompt_token_ids": third}, params)
     while engine.has_unfinished_requests():

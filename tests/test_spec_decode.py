@@ -11,9 +11,8 @@ import torch
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 from scipy.stats import chi2_contingency
-from transformers import AutoModelForCausalLM
 
-from model_fixtures import make_tiny_model
+from model_fixtures import hf_greedy, make_tiny_model
 from pagedrag import LLM, SamplingParams
 from pagedrag.worker.cuda_graphs import MAX_VERIFICATION_TOKENS, GraphShape, StepGraphs, verification_shapes
 from pagedrag.config import EngineArgs
@@ -46,14 +45,7 @@ def repeating_prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("spec"), "llama")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    references = []
-    with torch.no_grad():
-        for prompt in repeating_prompts():
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                 do_sample=False, pad_token_id=0)
-            references.append(out[0, len(prompt):].tolist())
+    references = hf_greedy(path, repeating_prompts(), MAX_NEW)
     return path, references
 
 

@@ -304,7 +304,9 @@ class LLMEngine:
 
     def _drain_pipeline(self) -> set[str]:
         """End pipelining: emit the step in flight; returns the groups that moved."""
-        return set() if self.pipeline is None else self._complete_pipelined(self.pipeline.drain(), keep_slots=False)
+        if self.pipeline is None or not self.pipeline.active:
+            return set()
+        return self._complete_pipelined(self.pipeline.drain(), keep_slots=False)
 
     def _complete_pipelined(self, results: list[tuple[Request, RowResult]], keep_slots: bool) -> set[str]:
         """A pipelined step's results, for the requests still running: the step computed each

@@ -61,6 +61,11 @@ class PipelinedDrafting:
         self.pending: PendingVerification | None = None
 
     @property
+    def active(self) -> bool:
+        """Whether a pipeline runs (``rows`` set, a step in flight)."""
+        return self.rows is not None
+
+    @property
     def reach(self) -> int:
         """Tokens past a row's known ones that the step in flight and the next may write."""
         return 2 * (1 + self.config.num_speculative_tokens)
@@ -72,7 +77,7 @@ class PipelinedDrafting:
                 or len(running) > self.config.disable_by_batch_size
                 or len(running) * (1 + self.config.num_speculative_tokens) > self.max_num_batched_tokens):
             return False
-        if self.rows is not None:
+        if self.active:
             return running == self.rows and all(r.num_tokens + self.reach <= self.max_model_len for r in running)
         return all(pipelinable(r) and r.num_tokens + self.reach <= self.max_model_len for r in running)
 

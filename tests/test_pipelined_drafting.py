@@ -12,6 +12,7 @@ from model_fixtures import hf_greedy, make_tiny_model
 from pagedrag import LLM, SamplingParams
 from pagedrag.spec_decode.device_ngram import ngram_drafts
 from pagedrag.spec_decode.ngram import NgramIndex
+from pagedrag.worker.pipelined_verification import DeviceDraftRows
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 MAX_NEW = 40
@@ -131,6 +132,40 @@ def test_a_batch_that_cannot_pipeline_runs_as_before(engines):
     assert [o.outputs[0].token_ids for o in actual] == [o.outputs[0].token_ids for o in expected]
     assert not launches[:3] or not launches[0]  # the first steps run as ordinary ones
     assert_all_free(llm)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_greedy_siblings_share_the_prompt_block_and_stay_exact(engines, n):
+    """n > 1 greedy siblings share the prompt's partly filled last block: the reservation's
+    copy-on-write runs before the first pipelined step, and each sibling emits what decoding
+    without speculation emits (also what a later prompt then finds in the prefix cache)."""
+    llm, plain, launches = engines
+    prompt = prompts()[0][:33]  # not a multiple of the block size
+    params = SamplingParams(temperature=0, n=n, max_tokens=MAX_NEW, ignore_eos=True)
+    launches.clear()
+    want = [c.token_ids for c in generate(plain, [prompt], params)[0].outputs]
+    assert [c.token_ids for c in generate(llm, [prompt], params)[0].outputs] == want
+    assert any(launches)
+    follow_up = SamplingParams(temperature=0, max_tokens=8, speculative_decoding=False)
+    longer = [prompt + want[0][:30]]
+    assert generate(llm, longer, follow_up)[0].outputs[0].cumulative_logprob == \
+        pytest.approx(generate(plain, longer, follow_up)[0].outputs[0].cumulative_logprob, abs=1e-4)
+    assert_all_free(llm)
+
+
+def test_rows_that_find_no_draft_run_plain_decode_steps(engines, monkeypatch):
+    """A prompt that never repeats: once its lookups find nothing, its steps check no drafted
+    positions (width 0), so a request that copies nothing pays for none."""
+    llm, _, _ = engines
+    widths = []
+    real = DeviceDraftRows.launch
+    def spy(self, limits, width, bound):
+        widths.append(width)
+        return real(self, limits, width, bound)
+    monkeypatch.setattr(DeviceDraftRows, "launch", spy)
+    prompt = torch.randperm(240, generator=torch.Generator().manual_seed(5))[:40].add(3).tolist()
+    generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert widths and 0 in widths
 
 
 @pytest.mark.parametrize("pool", [dict(num_gpu_blocks_override=14, block_size=8, max_model_len=96),

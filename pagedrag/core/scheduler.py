@@ -165,13 +165,21 @@ class Scheduler:
         others are updated all the same. Drafted tokens do not count as computed until the
         verifier accepts them (``accept_drafts``)."""
         for item in step.scheduled:
-            item.request.num_computed_tokens = item.end - len(item.draft)
-            try:
-                self.kv.cache_blocks(item.request)
-                if self.kv.chunks is not None:
-                    self.kv.chunks.finish_step(item.request)
-            except Exception as error:
-                on_error(item.request, error)
+            self._computed(item.request, item.end - len(item.draft), on_error)
+
+    def last_token_computed(self, request: Request, on_error: Callable[[Request, Exception], None]) -> None:
+        """After a pipelined step (engine.pipelined_drafting): the request's last known token has
+        KV, as ``update_after_step`` records for a scheduled decode."""
+        self._computed(request, request.num_tokens, on_error)
+
+    def _computed(self, request: Request, num_computed: int, on_error: Callable[[Request, Exception], None]) -> None:
+        request.num_computed_tokens = num_computed
+        try:
+            self.kv.cache_blocks(request)
+            if self.kv.chunks is not None:
+                self.kv.chunks.finish_step(request)
+        except Exception as error:
+            on_error(request, error)
 
     def accept_drafts(self, request: Request, num_accepted: int, keep_slots: bool = False) -> None:
         """After verification, the request's tokens (the accepted drafted ones and the one

@@ -26,7 +26,7 @@ import torch
 from pagedrag.config import EngineArgs
 from pagedrag.distributed.launch import start_ranks
 from pagedrag.core.kv_cache_manager import KVCacheManager
-from pagedrag.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from pagedrag.core.scheduler import Scheduler, SchedulerOutput
 from pagedrag.engine.inputs import InputProcessor, ProcessedPrompt, PromptType, ToolSettings
 from pagedrag.metrics import EngineMetrics
 from pagedrag.engine.stats_log import StatsLog
@@ -252,7 +252,7 @@ class LLMEngine:
             with nullcontext() if self.runner.threads is None else self.runner.threads.caller_threads_kept():
                 if probing is not None:
                     outputs = self._probe(probing)
-                elif self.pipeline is not None and self.pipeline.continues(self.scheduler, self._inflight is not None):
+                elif self.pipeline is not None and self.pipeline.runs_pipelined(self.scheduler, self._inflight is not None):
                     outputs = self._pipelined_step()
                 else:
                     outputs = self._run_step(self.scheduler.schedule, self.async_scheduling, self._drain_pipeline())
@@ -298,6 +298,8 @@ class LLMEngine:
         if results is None:
             return self._run_step(self.scheduler.schedule, self.async_scheduling, self._drain_pipeline())
         touched = self._complete_pipelined(results, keep_slots=True)
+        if all(request.is_finished for request in self.pipeline.rows):  # nothing to continue: free its state now
+            self.pipeline.drain()
         self._offer_to_tiers(SchedulerOutput(), time.perf_counter() - started)
         self._observe(SchedulerOutput())
         return [self._output(group_id) for group_id in touched if group_id in self.groups]
@@ -313,13 +315,14 @@ class LLMEngine:
         one's last token (as ``update_after_step`` records), then its verification emits, up to
         what max_tokens leaves (a pipelined draft may run past it: what lies past is not counted
         as accepted)."""
-        live = [(request, result) for request, result in results if not request.is_finished]
-        self.scheduler.update_after_step(SchedulerOutput([ScheduledRequest(r, 1, []) for r, _ in live]),
-                                         self._fail_request)
-        return self._complete_verified([Verified(request, result.num_drafted, [
-            Sample(token, logprob, 0, {}) for token, logprob in
-            zip(result.token_ids[:_room(request)], result.logprobs)])
-            for request, result in live if not request.is_finished], keep_slots)
+        verified = []
+        for request, result in results:
+            if not request.is_finished:
+                self.scheduler.last_token_computed(request, self._fail_request)
+            if not request.is_finished:
+                samples = [Sample(token, logprob, 0, {}) for token, logprob in zip(result.token_ids, result.logprobs)]
+                verified.append(Verified(request, result.num_drafted, samples[:_room(request)]))
+        return self._complete_verified(verified, keep_slots)
 
     def _leaves_tokens_in_flight(self) -> bool:
         """Whether an asynchronous step may leave its tokens on the device: always without

@@ -8,12 +8,17 @@ need no processing), the engine launches step t + 1 first and only then reads st
 results, as asynchronous scheduling does for plain decodes.
 
 This side decides when, and keeps the books:
-- ``continues``: asynchronous scheduling on, ``ngram``, one rank, nothing waiting or swapped,
+- ``runs_pipelined``: asynchronous scheduling on, ``ngram``, one rank, nothing waiting or swapped,
   no sampled token in flight, 1 to ``disable_by_batch_size`` requests running, each of them
   ``pipelinable``; once started, the same requests as when it started.
 - Slots: before a launch, each row's table covers every position it may write. The host knows
   a row's tokens up to the step before the one in flight, so it reserves two steps of
-  1 + max_draft tokens past them; those slots stay reserved until the pipeline drains.
+  1 + max_draft tokens past them; those slots stay reserved until the pipeline drains. A
+  copy-on-write that the reservation makes (n > 1 siblings share a partly filled block) runs
+  before the launch.
+- Width: a step checks as many drafted positions as the longest limit among the rows whose
+  lookup found a draft last time (known one step late), 0 (a plain decode) when none did, so
+  rows that copy nothing pay for no drafted positions.
 - Results arrive one step late. A request that ends on them (a stop, EOS, max_tokens) has
   computed one step more, which is dropped; the batch then differs, so the next ``step()``
   drains the pipeline (reads the step in flight) and runs an ordinary step, and a later one
@@ -22,7 +27,6 @@ This side decides when, and keeps the books:
 
 from __future__ import annotations
 
-from pagedrag.core.block_pool import blocks_for
 from pagedrag.core.kv_cache_manager import KVCacheManager
 from pagedrag.core.request import Request
 from pagedrag.core.scheduler import Scheduler
@@ -32,8 +36,8 @@ from pagedrag.worker.pipelined_verification import DeviceDraftRows, PendingVerif
 
 def pipelinable(request: Request) -> bool:
     """Whether a request's next steps can verify on the device: decoding (every token but the
-    last computed, none in flight, no siblings to fork), opted in to drafting, and greedy with
-    nothing that reshapes its logits or asks for more than the chosen token's logprob."""
+    last computed, none in flight, no siblings to fork), opted in to drafting, greedy with
+    nothing that reshapes its logits, and no logprobs asked for."""
     params = request.params
     return (request.num_computed_tokens == request.num_tokens - 1 and not request.num_inflight_tokens
             and not request.pending_forks and params.speculative_decoding and params.greedy
@@ -59,6 +63,7 @@ class PipelinedDrafting:
         self.rows: list[Request] | None = None
         self.device_rows: DeviceDraftRows | None = None
         self.pending: PendingVerification | None = None
+        self.drafting: list[bool] = []  # per row: its lookup found a draft last time
 
     @property
     def active(self) -> bool:
@@ -70,7 +75,7 @@ class PipelinedDrafting:
         """Tokens past a row's known ones that the step in flight and the next may write."""
         return 2 * (1 + self.config.num_speculative_tokens)
 
-    def continues(self, scheduler: Scheduler, tokens_in_flight: bool) -> bool:
+    def runs_pipelined(self, scheduler: Scheduler, tokens_in_flight: bool) -> bool:
         """Whether this step runs pipelined (see the module docstring)."""
         running = scheduler.running
         if (tokens_in_flight or scheduler.waiting or scheduler.swapped or not running
@@ -86,24 +91,41 @@ class PipelinedDrafting:
         the results of the step launched before it ([] when none), or None, launching
         nothing, when the pool is short of slots (the caller drains and steps as usual)."""
         rows = self.rows or list(scheduler.running)
-        if not all(self.kv.allocate_slots(r, r.num_tokens + self.reach - r.num_computed_tokens) for r in rows):
+        if not self._reserve(rows):
             return None
         if self.rows is None:
             self._start(rows)
-        tables = [self.kv.block_ids(r) for r in rows]
-        self.device_rows.update_tables(tables)
+        self.runner.cache.apply(*self.kv.take_step_transfers())  # the reservation's copy-on-write copies
+        self.device_rows.update_tables([self.kv.block_ids(r) for r in rows])
         limits = [self.drafter.limits.get(r.request_id, self.config.num_speculative_tokens) for r in rows]
-        bound = min(max(r.num_tokens for r in rows) + self.reach, self.device_rows.history.shape[1])
-        previous, self.pending = self.pending, self.device_rows.launch(limits, max(limits), bound)
-        return [] if previous is None else list(zip(rows, previous.read()))
+        width = max((limit for limit, drafting in zip(limits, self.drafting) if drafting), default=0)
+        bound = max(r.num_tokens for r in rows) + self.reach
+        previous, self.pending = self.pending, self.device_rows.launch(limits, width, bound)
+        if previous is None:
+            return []
+        results = previous.read()
+        self.drafting = [result.drafts_next for result in results]
+        return list(zip(rows, results))
+
+    def _reserve(self, rows: list[Request]) -> bool:
+        """Slots for every position the next launch may write, in each row's table; False when
+        the pool is short. Rows reserved before the one that failed give theirs back when
+        nothing is in flight (else the drain does)."""
+        for index, request in enumerate(rows):
+            if not self.kv.allocate_slots(request, request.num_tokens + self.reach - request.num_computed_tokens):
+                if not self.active:
+                    for reserved in rows[:index]:
+                        self.kv.release_unused(reserved)
+                return False
+        return True
 
     def _start(self, rows: list[Request]) -> None:
         self.rows = rows
-        capacity = self.max_model_len + self.reach
         self.device_rows = DeviceDraftRows(
-            self.runner, [r.token_ids for r in rows], capacity, blocks_for(self.max_model_len, self.kv.block_size),
+            self.runner, [r.token_ids for r in rows], self.max_model_len + self.reach,
             self.config.prompt_lookup_min, self.config.prompt_lookup_max, self.config.num_speculative_tokens,
             normalised_logprobs=self.logprobs_mode.endswith("logprobs"))
+        self.drafting = (self.device_rows.draft_lengths > 0).tolist()  # waits: only when the pipeline starts
 
     def drain(self) -> list[tuple[Request, RowResult]]:
         """Stop pipelining: the results of the step in flight ([] when idle)."""
@@ -114,3 +136,4 @@ class PipelinedDrafting:
     def reset(self) -> None:
         """Forget the pipeline's state (after a failed step its rows start over)."""
         self.rows = self.device_rows = self.pending = None
+        self.drafting = []

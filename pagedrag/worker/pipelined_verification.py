@@ -17,7 +17,8 @@ Invariants (row r):
   ones) not yet computed: KV exists for positions < lengths[r] - 1.
 - ``history[r, :lengths[r]]`` are those tokens; later columns hold leftovers, never read.
 - ``drafts[r, :draft_lengths[r]]`` is the n-gram draft for the current history.
-- ``tables[r]`` covers every position a step may write (the host reserves the slots).
+- ``tables[r]`` covers every position a step may write (the host reserves the slots), and is
+  re-sent whenever the host's table changes (it grows, or a copy-on-write replaces a block).
 """
 
 from __future__ import annotations
@@ -34,18 +35,20 @@ from pagedrag.worker.transfer import device_to_host, host_to_device
 @dataclass(slots=True)
 class RowResult:
     """What one row's verification gives: the accepted drafted tokens and the token after
-    them (``token_ids``, with their logprobs), and how many tokens were drafted."""
+    them (``token_ids``, with their logprobs), how many tokens were drafted, and whether the
+    lookup after it found a draft for the next step."""
 
     token_ids: list[int]
     logprobs: list[float]
     num_drafted: int
+    drafts_next: bool
 
 
 @dataclass(slots=True)
 class PendingVerification:
     """A launched step's results on their way to the host (read them after the next launch)."""
 
-    host: torch.Tensor  # [rows, 2 * (1 + width) + 2] float64: targets, logprobs, accepted, drafted
+    host: torch.Tensor  # [rows, 2 * (1 + width) + 3] float64: targets, logprobs, accepted, drafted, next
     ready: torch.cuda.Event | None
     width: int
 
@@ -58,7 +61,7 @@ class PendingVerification:
         for row in self.host.tolist():
             emitted = int(row[2 * span]) + 1
             results.append(RowResult([int(t) for t in row[:emitted]], row[span:span + emitted],
-                                     int(row[2 * span + 1])))
+                                     int(row[2 * span + 1]), row[2 * span + 2] > 0))
         return results
 
 
@@ -66,7 +69,7 @@ class DeviceDraftRows:
     """The device state of the rows that draft and verify without the host (see the module
     docstring), and the step that advances it."""
 
-    def __init__(self, runner, token_ids: list[list[int]], capacity: int, block_width: int,
+    def __init__(self, runner, token_ids: list[list[int]], capacity: int,
                  min_n: int, max_n: int, max_draft: int, normalised_logprobs: bool):
         self.runner = runner
         self.device = runner.device
@@ -76,8 +79,8 @@ class DeviceDraftRows:
         for row, tokens in enumerate(token_ids):
             self.history[row, :len(tokens)] = host_to_device(tokens, torch.long, self.device)
         self.lengths = host_to_device([len(tokens) for tokens in token_ids], torch.long, self.device)
-        self.tables = torch.zeros(len(token_ids), block_width, dtype=torch.int32, device=self.device)
-        self.table_lengths = [0] * len(token_ids)
+        self.host_tables: list[list[int]] = []
+        self.tables = torch.zeros(len(token_ids), 0, dtype=torch.int32, device=self.device)
         self.drafts, self.draft_lengths = self._draft(max(map(len, token_ids)))
 
     def _draft(self, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,19 +88,20 @@ class DeviceDraftRows:
         return ngram_drafts(self.history[:, :bound], self.lengths, self.min_n, self.max_n, self.max_draft)
 
     def update_tables(self, tables: list[list[int]]) -> None:
-        """Copy the rows' block tables over where they grew (tables only grow while rows run)."""
-        if [len(table) for table in tables] == self.table_lengths:
+        """Send the rows' block tables over when they changed, as wide as the longest."""
+        if tables == self.host_tables:
             return
-        width = self.tables.shape[1]
+        width = max(map(len, tables))
         self.tables = host_to_device([table + [0] * (width - len(table)) for table in tables], torch.int32,
                                      self.device)
-        self.table_lengths = [len(table) for table in tables]
+        self.host_tables = [list(table) for table in tables]
 
     @torch.inference_mode()
     def launch(self, limits: list[int], width: int, bound: int) -> PendingVerification:
         """One step: every row checks ``width`` drafted positions (a row drafts at most its
         limit, fewer where its lookup found less; unused positions are computed and never
-        accepted), then drafts again from a history of at most ``bound`` tokens."""
+        accepted; width 0 is a plain decode step), then drafts again from a history of at
+        most ``bound`` tokens."""
         rows, span = self.lengths.shape[0], 1 + width
         drafted = torch.minimum(self.draft_lengths, host_to_device(limits, torch.long, self.device))
         valid = torch.arange(width, device=self.device).unsqueeze(0) < drafted.unsqueeze(1)
@@ -106,12 +110,12 @@ class DeviceDraftRows:
         targets, logprobs = targets.view(rows, span), logprobs.view(rows, span)
         accepted = ((targets[:, :width] == drafts) & valid).long().cumprod(dim=1).sum(dim=1)
         columns = self.lengths.unsqueeze(1) + torch.arange(span, device=self.device).unsqueeze(0)
-        self.history.scatter_(1, columns.clamp(max=self.history.shape[1] - 1), targets)
+        self.history.scatter_(1, columns, targets)
         self.lengths = self.lengths + accepted + 1
-        table = torch.cat([targets.double(), logprobs.double(), accepted.unsqueeze(1).double(),
-                           drafted.unsqueeze(1).double()], dim=1)
-        host, ready = device_to_host(table)
         self.drafts, self.draft_lengths = self._draft(bound)
+        table = torch.cat([targets, logprobs, accepted.unsqueeze(1), drafted.unsqueeze(1),
+                           self.draft_lengths.unsqueeze(1)], dim=1)
+        host, ready = device_to_host(table.double())
         return PendingVerification(host, ready, width)
 
     def _logits(self, drafts: torch.Tensor, width: int) -> torch.Tensor:

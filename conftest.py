@@ -28,7 +28,7 @@ FAST_MODULES = frozenset({
     "test_block_pool", "test_canonical", "test_chat_template_sandbox", "test_chunk_reuse_hostile",
     "test_detokenizer", "test_engine_api", "test_engine_equivalence", "test_explain", "test_fused",
     "test_kernels", "test_kv_tier_stores", "test_kv_tiers", "test_prefix_keys", "test_protocol",
-    "test_request_isolation", "test_sampler", "test_sampling_extras", "test_schema_keywords",
+    "test_pipelined_drafting", "test_request_isolation", "test_sampler", "test_sampling_extras", "test_schema_keywords",
     "test_spec_decode", "test_thread_tuner", "test_tools",
 })
 # what runs longest on 2 cores (--durations=0 summed per unit, 2026-12-04), longest first: each is

@@ -13,8 +13,7 @@ import shutil
 import pytest
 import torch
 
-from model_fixtures import make_tiny_model
-from test_engine_equivalence import hf_greedy
+from model_fixtures import hf_greedy, make_tiny_model
 from pagedrag import LLM, SamplingParams
 from pagedrag.rag.explain import explain_against_engine
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_fixtures import make_tiny_model
-from test_engine_equivalence import hf_greedy, prompts_of
+from model_fixtures import hf_greedy, make_tiny_model
+from test_engine_equivalence import MAX_NEW, prompts_of
 from pagedrag import LLM, SamplingParams
 from pagedrag.distributed.launch import free_port
 from pagedrag.engine.recovery import EngineDeadError
@@ -34,7 +34,7 @@ def llama(tmp_path_factory):
     """An untied-head Llama with llama3 rope; its vocabulary (259) is odd, so the vocab split pads."""
     path = make_tiny_model(tmp_path_factory.mktemp("tp-llama"), "llama")
     prompts = prompts_of(259)
-    return path, prompts, hf_greedy(path, prompts)
+    return path, prompts, hf_greedy(path, prompts, MAX_NEW)
 
 
 def generate(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:

@@ -154,9 +154,10 @@ def test_greedy_siblings_share_the_prompt_block_and_stay_exact(engines, n):
 
 
 def test_rows_that_find_no_draft_run_plain_decode_steps(engines, monkeypatch):
-    """A prompt that never repeats: once its lookups find nothing, its steps check no drafted
-    positions (width 0), so a request that copies nothing pays for none."""
-    llm, _, _ = engines
+    """A prompt that never repeats: once its lookups found nothing MISSES_TO_STOP times in a
+    row, its steps check no drafted positions (width 0), so a request that copies nothing pays
+    for none."""
+    llm, plain, _ = engines
     widths = []
     real = DeviceDraftRows.launch
     def spy(self, limits, width, bound):
@@ -164,8 +165,10 @@ def test_rows_that_find_no_draft_run_plain_decode_steps(engines, monkeypatch):
         return real(self, limits, width, bound)
     monkeypatch.setattr(DeviceDraftRows, "launch", spy)
     prompt = torch.randperm(240, generator=torch.Generator().manual_seed(5))[:40].add(3).tolist()
-    generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    outputs = generate(llm, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert widths and 0 in widths
+    assert outputs[0].outputs[0].token_ids == generate(plain, [prompt], SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("pool", [dict(num_gpu_blocks_override=14, block_size=8, max_model_len=96),

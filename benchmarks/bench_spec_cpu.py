@@ -3,6 +3,7 @@ without drafting from the context, side by side in one run.
 
     nice -n 10 python benchmarks/bench_spec_cpu.py [--prompts 5] [--max-tokens 128] [--quantization gguf]
     nice -n 10 python benchmarks/bench_spec_cpu.py --concurrency 1 2 4 8 [--max-tokens 64] [--workload "pydoc stream"]
+    nice -n 10 python benchmarks/bench_spec_cpu.py --pipelined   # adds "ngram pipelined"
 
 Four workloads: "rag", the RAG prompts of pagedrag.entrypoints.bench (a system prompt, 3-5
 standard-library docstring chunks, a question about one of them; 600-800 tokens), whose
@@ -24,6 +25,10 @@ With ``--quantization gguf`` llama.cpp (llama-cpp-python) decodes the same GGUF 
 them, interleaved the same way: alone, and with its own prompt-lookup drafting (n-grams of up
 to 5 tokens, 8 drafted), the comparison issue 27 asks for. Its agreement column compares with
 pagedrag's answer without speculation (other kernels: near-ties may go the other way).
+
+``--pipelined`` adds an ``ngram`` engine with asynchronous scheduling, which drafts and verifies
+greedy requests on the device, each step launched before the previous one is read
+(engine.pipelined_drafting; off by default on CPU).
 
 ``--concurrency``: where drafting stops paying (``disable_by_batch_size``). For each
 concurrency N, N prompts of ``--workload`` (default "rag") go into one ``generate`` on each engine (drafting forced on at
@@ -175,12 +180,17 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", help="sweep these numbers of concurrent requests")
     parser.add_argument("--workload", default="rag", choices=("rag", "pydoc stream", "stdlib stream"),
                         help="the prompts of the concurrency sweep")
+    parser.add_argument("--pipelined", action="store_true", help='add "ngram pipelined" (asynchronous scheduling)')
     args = parser.parse_args()
     if args.concurrency:
         concurrency_sweep(args.concurrency, args.max_tokens, args.quantization, args.workload)
         return
-    engines = {name: LLM(speculative_config=config, quantization=args.quantization, max_model_len=2048,
-                         kv_cache_memory_bytes=256 << 20) for name, config in CONFIGS.items()}
+    configs = {name: (config, False) for name, config in CONFIGS.items()}
+    if args.pipelined:
+        configs["ngram pipelined"] = (CONFIGS["ngram"], True)
+    engines = {name: LLM(speculative_config=config, async_scheduling=pipelined, quantization=args.quantization,
+                         max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+               for name, (config, pipelined) in configs.items()}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     eos = engines["off"].get_tokenizer().eos_token_id
     threads = os.cpu_count() or 1

@@ -317,11 +317,13 @@ class LLMEngine:
         as accepted)."""
         verified = []
         for request, result in results:
-            if not request.is_finished:
-                self.scheduler.last_token_computed(request, self._fail_request)
-            if not request.is_finished:
-                samples = [Sample(token, logprob, 0, {}) for token, logprob in zip(result.token_ids, result.logprobs)]
-                verified.append(Verified(request, result.num_drafted, samples[:_room(request)]))
+            if request.is_finished:
+                continue
+            self.scheduler.last_token_computed(request, self._fail_request)
+            if request.is_finished:  # caching its blocks failed it
+                continue
+            samples = [Sample(token, logprob, 0, {}) for token, logprob in zip(result.token_ids, result.logprobs)]
+            verified.append(Verified(request, result.num_drafted, samples[:_room(request)]))
         return self._complete_verified(verified, keep_slots)
 
     def _leaves_tokens_in_flight(self) -> bool:

@@ -50,8 +50,7 @@ def pipelinable(request: Request) -> bool:
             and not request.pending_forks and params.speculative_decoding and params.greedy
             and request.grammar is None and not request.bad_words_token_ids
             and params.logprobs is None and not params.logit_bias and params.allowed_token_ids is None
-            and params.presence_penalty == 0 and params.frequency_penalty == 0
-            and params.repetition_penalty == 1 and request.num_output_tokens >= params.min_tokens)
+            and not params.uses_penalties and request.num_output_tokens >= params.min_tokens)
 
 
 class PipelinedDrafting:

@@ -41,6 +41,7 @@ finish).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import statistics
@@ -164,6 +165,15 @@ def concurrency_sweep(levels: list[int], max_tokens: int, quantization: str | No
                            for name in drafting) + " |")
 
 
+def llama_cpp_installed() -> bool:
+    """Whether llama-cpp-python is there to decode beside pagedrag (it is built from source: a
+    bench without it says so and runs pagedrag's arms alone)."""
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return True
+    print("llama.cpp rows left out: llama-cpp-python is not installed (pip install llama-cpp-python)\n")
+    return False
+
+
 def batch_decode_rate(outputs) -> float:
     """Tokens after each request's first over the time from the batch's first first token to its
     last finish: the decode phase of requests run at once (the prompts' prefill left out)."""
@@ -194,7 +204,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     eos = engines["off"].get_tokenizer().eos_token_id
     threads = os.cpu_count() or 1
-    llama_cpps = {} if args.quantization != "gguf" else {
+    llama_cpps = {} if args.quantization != "gguf" or not llama_cpp_installed() else {
         "llama.cpp": LlamaCpp(threads, eos), "llama.cpp prompt lookup": LlamaCpp(threads, eos, prompt_lookup=8)}
     print(f"{platform.machine()}, quantization={args.quantization}, {args.prompts} prompts a workload, "
           f"{args.max_tokens} tokens\n")

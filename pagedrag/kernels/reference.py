@@ -12,7 +12,8 @@ at row ``p % block_size``; its flat slot is ``block * block_size + row``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     num_heads, head_dim = query.shape[1], query.shape[2]
     for b, context in enumerate(_contexts(block_tables, context_lens, k_cache.shape[1])):
-        keys, values = (context.rows(cache).transpose(0, 1)[None].to(dtype) for cache in (k_cache, v_cache))
+        keys, values = (context.rows(cache, i).transpose(0, 1)[None].to(dtype)
+                        for i, cache in enumerate((k_cache, v_cache)))
         grouped = query[b].view(1, keys.shape[1], -1, head_dim).to(dtype)  # [1, kv_heads, heads per kv head, dim]
         attended = F.scaled_dot_product_attention(grouped, keys, values, scale=scale)
         out[b] = attended.view(num_heads, head_dim)
@@ -59,19 +61,51 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 class _Context:
     """Where one sequence's cached rows are: ``first`` block of a run of consecutive block
     ids (the common case: the rows are one view of the cache), or else the flat ``slots`` to
-    gather (one index_select, whatever the number of pieces)."""
+    gather (one index_select, whatever the number of pieces). A step's contexts serve all its
+    layers (``_contexts``), and so do the causal masks they make (``masks``, by query length)."""
 
     length: int
     first: int | None
     slots: torch.Tensor | None
+    masks: dict = field(default_factory=dict, compare=False)
 
-    def rows(self, cache: torch.Tensor) -> torch.Tensor:
+    def causal_mask(self, q_len: int, device: torch.device) -> torch.Tensor:
+        """[q_len, length] bool: new token i (at position length - q_len + i) sees positions 0
+        to its own. Made at the step's first layer (~40 us for 9 x 800 on 2 cores), then reused."""
+        mask = self.masks.get(q_len)
+        if mask is None:
+            mask = torch.ones(q_len, self.length, dtype=torch.bool, device=device).tril_(self.length - q_len)
+            self.masks[q_len] = mask
+        return mask
+
+    def rows(self, cache: torch.Tensor, buffer: int) -> torch.Tensor:
         """The sequence's rows of ``cache`` [num_blocks, block_size, kv_heads, head_dim]:
-        [length, kv_heads, head_dim]."""
+        [length, kv_heads, head_dim]. Gathered rows go into this thread's gather buffer number
+        ``buffer`` (one for keys, one for values): valid until that buffer's next gather."""
         block_size = cache.shape[1]
         if self.first is not None:
             return cache[self.first:self.first - (-self.length // block_size)].flatten(0, 1)[:self.length]
-        return cache.flatten(0, 1).index_select(0, self.slots)
+        flat = cache.flatten(0, 1)
+        if flat.device.type != "cpu":  # a CUDA graph may hold a buffer past its growth: allocate
+            return flat.index_select(0, self.slots)
+        return torch.index_select(flat, 0, self.slots, out=_gather_buffer(buffer, self.length, flat))
+
+
+_gather_buffers = threading.local()
+
+
+def _gather_buffer(number: int, length: int, like: torch.Tensor) -> torch.Tensor:
+    """Rows [length, ...like's other dims] of a CPU buffer this thread keeps for gathers, grown
+    as needed and reused by every layer and step: a recycled pool fragments most contexts, and a
+    fresh 1-2 MB tensor for each of a step's 2 x layers gathers cost more than the copy (page
+    faults; RESULTS.md, "Why CPU decode slows with context")."""
+    buffers = _gather_buffers.__dict__.setdefault("by_key", {})
+    key = (number, like.dtype, like.device, like.shape[1:])
+    buffer = buffers.get(key)
+    if buffer is None or buffer.shape[0] < length:
+        rows = length if buffer is None else max(length, 2 * buffer.shape[0])
+        buffer = buffers[key] = like.new_empty((rows, *like.shape[1:]))
+    return buffer[:length]
 
 
 _last_contexts: tuple = ()  # (block_tables, context_lens, block_size: copies of the last ones, contexts)
@@ -121,12 +155,12 @@ def prefix_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     starts = query_start_loc.tolist()
     for b, context in enumerate(_contexts(block_tables, context_lens, k_cache.shape[1])):
         q = query[starts[b]:starts[b + 1]]
-        q_len, total = q.shape[0], context.length
+        q_len = q.shape[0]
         if q_len == 0:
             continue
-        keys, values = (context.rows(cache).transpose(0, 1)[None].to(query.dtype) for cache in (k_cache, v_cache))
-        # new token i (at position total - q_len + i) sees positions 0 .. total - q_len + i
-        mask = torch.ones(q_len, total, dtype=torch.bool, device=query.device).tril_(total - q_len)
+        keys, values = (context.rows(cache, i).transpose(0, 1)[None].to(query.dtype)
+                        for i, cache in enumerate((k_cache, v_cache)))
+        mask = context.causal_mask(q_len, query.device)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask[None, None],
                                            scale=scale, enable_gqa=num_heads != num_kv_heads)
         out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1)

@@ -9,6 +9,7 @@ in every cache slot no sequence owns (kernels.testing.make_problem).
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -89,3 +90,29 @@ def test_a_block_table_changed_in_place_is_read_anew():
     assert testing.relative_error(reference.paged_decode_attention(*args), _dense(p)) < 1e-12
     _contiguous_tables(p, 1)
     assert testing.relative_error(reference.paged_decode_attention(*args), _dense(p)) < 1e-12
+
+
+def test_threads_gathering_contexts_at_once_each_read_their_own():
+    """Contexts in several runs are gathered into a buffer each thread keeps and reuses (for every
+    layer and step): threads attending at once (tensor-parallel ranks in one process, engines in
+    one server) must each read their own rows, for sequences longer and shorter than the last."""
+    problems = [testing.make_problem([1, 1], lengths, 8, 2, 64, 16, torch.float64, "cpu", seed, spare_blocks=96)
+                for seed, lengths in enumerate(([300, 77], [40, 520], [129, 700]))]
+    for p in problems:
+        _contiguous_tables(p, 4)
+    expected = [_dense(p) for p in problems]
+    errors: list[float] = []
+
+    def attend(index: int) -> None:
+        p = problems[index]
+        for _ in range(20):
+            decoded = reference.paged_decode_attention(p.query, p.k_cache, p.v_cache, p.block_tables, p.context_lens,
+                                                       p.scale)
+            errors.append(testing.relative_error(decoded, expected[index]))
+
+    threads = [threading.Thread(target=attend, args=(index,)) for index in range(len(problems))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(errors) == 60 and max(errors) < 1e-12

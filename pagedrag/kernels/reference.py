@@ -104,7 +104,8 @@ def _gather_buffer(number: int, length: int, like: torch.Tensor) -> torch.Tensor
     buffer = buffers.get(key)
     if buffer is None or buffer.shape[0] < length:
         rows = length if buffer is None else max(length, 2 * buffer.shape[0])
-        buffer = buffers[key] = like.new_empty((rows, *like.shape[1:]))
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buffer = buffers[key] = like.new_empty((rows, *like.shape[1:]))
     return buffer[:length]
 
 

@@ -116,3 +116,17 @@ def test_threads_gathering_contexts_at_once_each_read_their_own():
     for thread in threads:
         thread.join()
     assert len(errors) == 60 and max(errors) < 1e-12
+
+
+def test_the_gather_buffer_serves_calls_in_and_out_of_inference_mode():
+    """The engine runs under torch.inference_mode, HF comparisons and tests under no_grad: a buffer
+    first made in one must take gathers in the other (an inference tensor would refuse them)."""
+    p = testing.make_problem([1, 1], [300, 77], 8, 2, 64, 16, torch.float64, "cpu", 1, spare_blocks=64)
+    _contiguous_tables(p, 3)
+    args = (p.query, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale)
+    with torch.inference_mode():
+        inside = reference.paged_decode_attention(*args)
+    with torch.no_grad():
+        outside = reference.paged_decode_attention(*args)
+    assert torch.equal(inside, outside)
+    assert testing.relative_error(outside, _dense(p)) < 1e-12

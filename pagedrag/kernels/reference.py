@@ -49,8 +49,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     num_heads, head_dim = query.shape[1], query.shape[2]
     for b, context in enumerate(_contexts(block_tables, context_lens, k_cache.shape[1])):
-        keys, values = (context.rows(cache, i).transpose(0, 1)[None].to(dtype)
-                        for i, cache in enumerate((k_cache, v_cache)))
+        keys, values = context.keys_and_values(k_cache, v_cache, dtype)
         grouped = query[b].view(1, keys.shape[1], -1, head_dim).to(dtype)  # [1, kv_heads, heads per kv head, dim]
         attended = F.scaled_dot_product_attention(grouped, keys, values, scale=scale)
         out[b] = attended.view(num_heads, head_dim)
@@ -78,10 +77,17 @@ class _Context:
             self.masks[q_len] = mask
         return mask
 
-    def rows(self, cache: torch.Tensor, buffer: int) -> torch.Tensor:
+    def keys_and_values(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence's keys and values, [1, kv_heads, length, head_dim] each in ``dtype``;
+        gathered ones are valid until this thread's next call."""
+        return tuple(self._rows(cache, buffer).transpose(0, 1)[None].to(dtype)
+                     for buffer, cache in enumerate((k_cache, v_cache)))
+
+    def _rows(self, cache: torch.Tensor, buffer: int) -> torch.Tensor:
         """The sequence's rows of ``cache`` [num_blocks, block_size, kv_heads, head_dim]:
         [length, kv_heads, head_dim]. Gathered rows go into this thread's gather buffer number
-        ``buffer`` (one for keys, one for values): valid until that buffer's next gather."""
+        ``buffer`` (0 for keys, 1 for values)."""
         block_size = cache.shape[1]
         if self.first is not None:
             return cache[self.first:self.first - (-self.length // block_size)].flatten(0, 1)[:self.length]
@@ -100,7 +106,7 @@ def _gather_buffer(number: int, length: int, like: torch.Tensor) -> torch.Tensor
     fresh 1-2 MB tensor for each of a step's 2 x layers gathers cost more than the copy (page
     faults; RESULTS.md, "Why CPU decode slows with context")."""
     buffers = _gather_buffers.__dict__.setdefault("by_key", {})
-    key = (number, like.dtype, like.device, like.shape[1:])
+    key = (number, like.dtype, like.shape[1:])
     buffer = buffers.get(key)
     if buffer is None or buffer.shape[0] < length:
         rows = length if buffer is None else max(length, 2 * buffer.shape[0])
@@ -159,8 +165,7 @@ def prefix_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         q_len = q.shape[0]
         if q_len == 0:
             continue
-        keys, values = (context.rows(cache, i).transpose(0, 1)[None].to(query.dtype)
-                        for i, cache in enumerate((k_cache, v_cache)))
+        keys, values = context.keys_and_values(k_cache, v_cache, query.dtype)
         mask = context.causal_mask(q_len, query.device)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask[None, None],
                                            scale=scale, enable_gqa=num_heads != num_kv_heads)
